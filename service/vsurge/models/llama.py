@@ -1,0 +1,147 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) in flax.nnx, written for serving.
+
+The forward takes token ids, their positions, an attention backend and one cache per layer; it returns
+the final hidden states and the new caches. Prefill, cached decode and paged decode are the same forward
+with different backends (see attention.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelConfig
+from .rope import apply_rope, inverse_frequencies
+
+
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jnp.ndarray:
+    return (0.02 * jax.random.normal(rngs.params(), shape)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_init(rngs, (din, dout), dtype))
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # transformers multiplies in the input dtype after casting back; do the same for bf16 parity
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.cfg = cfg
+
+    def __call__(self, x, positions, backend, cache, meta):
+        b, t, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = inverse_frequencies(c)  # numpy at trace time: a constant in the compiled program
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        out, cache = backend(q, k, v, cache, meta)
+        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(i, d, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, positions, backend, cache, meta):
+        h, cache = self.self_attn(self.input_layernorm(x), positions, backend, cache, meta)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(_init(rngs, (vocab, dim), dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Causal LM. ``__call__`` returns hidden states; ``compute_logits`` turns chosen rows into logits."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.dtype = dtype
+        self.model = LlamaModel(cfg, dtype, rngs)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        )
+
+    def __call__(
+        self,
+        tokens: jnp.ndarray,
+        positions: jnp.ndarray,
+        backend: Any,
+        caches: Sequence[Any],
+        meta: Any,
+    ) -> tuple[jnp.ndarray, list[Any]]:
+        x = self.model.embed_tokens(tokens)
+        new_caches = []
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            x, cache = layer(x, positions, backend, cache, meta)
+            new_caches.append(cache)
+        return self.model.norm(x), new_caches
+
+    def compute_logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
+        if self.lm_head is None:
+            w = self.model.embed_tokens.embedding[...]
+            return jnp.dot(hidden, w.T, preferred_element_type=jnp.float32)
+        return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)

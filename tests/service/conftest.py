@@ -1,0 +1,17 @@
+import pytest
+from tiny_models import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: tiny_checkpoint(arch, **kw) -> (directory, torch model); cached per session."""
+    cache = {}
+
+    def make(arch: str = "llama", **kw):
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            cache[key] = (str(d), make_checkpoint(d, arch, **kw))
+        return cache[key]
+
+    return make
