@@ -82,3 +82,14 @@ def kv_cache_sharding(mesh: Mesh | None, shape: tuple[int, ...], paged: bool = F
     if mesh is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return NamedSharding(mesh, fit_spec(KV_PAGES_SPEC if paged else KV_CACHE_SPEC, shape, mesh))
+
+
+def place_params(state, cfg, mesh: Mesh):
+    """Move an nnx parameter State onto `mesh` by the architecture's rules (for engines on their own devices)."""
+    from flax import nnx
+
+    rules = PARTITION_RULES[cfg.model_type]
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        var.set_value(jax.device_put(value, sharding_for("/".join(map(str, path)), value.shape, mesh, rules)))
+    return state

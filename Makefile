@@ -1,0 +1,41 @@
+# Two commands set everything up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: install test-deps serve test test-fast bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test-deps: $(VENV)/.test-installed
+
+# Fetches the default model (SmolLM2-135M-Instruct) into ~/.cache/vsurge on first use, then serves it.
+serve: install
+	$(VENV)/bin/vsurge serve --model default $(ARGS)
+
+test: test-deps
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: test-deps
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+bench: test-deps
+	$(PY) benchmarks/engine.py $(ARGS)
+
+lint: test-deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check service operator tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
