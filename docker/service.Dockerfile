@@ -1,0 +1,46 @@
+# syntax=docker/dockerfile:1
+# The vSurge service image: `vsurge serve` on the model pods, `vsurge route` for the router.
+# Build from the repository root (BuildKit reads docker/service.Dockerfile.dockerignore):
+#   docker build -f docker/service.Dockerfile -t vsurge-service:0.1.0 .
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+# Only what the wheel is built from (see service.Dockerfile.dockerignore).
+COPY pyproject.toml README.md ./
+COPY service ./service
+COPY operator ./operator
+# jax[tpu] brings libtpu from PyPI; the same image runs on CPU nodes (JAX falls back to the CPU).
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --upgrade pip \
+ && /opt/venv/bin/pip install ".[tpu]"
+
+FROM ${PYTHON_IMAGE}
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="vsurge-service" \
+      org.opencontainers.image.description="vSurge Stack: vsurge serve (OpenAI-compatible LLM server on JAX) and vsurge route" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ARG UID=10001
+ARG GID=10001
+# A fixed numeric user, so that the kubelet can enforce runAsNonRoot; /cache is the model cache.
+RUN groupadd --system --gid "${GID}" vsurge \
+ && useradd --system --uid "${UID}" --gid vsurge --home-dir /home/vsurge --create-home \
+      --shell /usr/sbin/nologin vsurge \
+ && mkdir -p /cache \
+ && chown "${UID}:${GID}" /cache
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    VSURGE_CACHE_DIR=/cache \
+    HF_HOME=/cache/huggingface
+VOLUME ["/cache"]
+WORKDIR /home/vsurge
+USER ${UID}:${GID}
+# `vsurge serve`: 11556 the OpenAI API, 11557 its metrics. `vsurge route` listens on its --port (8080 in the chart).
+EXPOSE 11556 11557
+ENTRYPOINT ["vsurge"]
+CMD ["serve"]

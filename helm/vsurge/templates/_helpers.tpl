@@ -1,0 +1,242 @@
+{{/*
+Names. Kubernetes names are at most 63 characters; every derived name is cut there too.
+*/}}
+{{- define "vsurge.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "vsurge.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "vsurge.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "vsurge.operator.fullname" -}}
+{{- printf "%s-operator" (include "vsurge.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "vsurge.router.fullname" -}}
+{{- printf "%s-router" (include "vsurge.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "vsurge.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create }}
+{{- default (include "vsurge.operator.fullname" .) .Values.operator.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.operator.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "vsurge.router.serviceAccountName" -}}
+{{- if .Values.router.serviceAccount.create }}
+{{- default (include "vsurge.router.fullname" .) .Values.router.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.router.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Labels. Call with (dict "ctx" $ "component" "operator"); component may be empty.
+*/}}
+{{- define "vsurge.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "vsurge.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- with .component }}
+app.kubernetes.io/component: {{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "vsurge.labels" -}}
+helm.sh/chart: {{ include "vsurge.chart" .ctx }}
+{{ include "vsurge.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: vsurge
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+An image reference. Call with (dict "ctx" $ "image" .Values.images.service).
+*/}}
+{{- define "vsurge.image" -}}
+{{- if .image.digest }}
+{{- printf "%s@%s" .image.repository .image.digest }}
+{{- else }}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The hardened security contexts every pod of the chart runs with (Pod Security Standard "restricted").
+These are not configurable on purpose; only the ids are (podSecurity).
+*/}}
+{{- define "vsurge.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.podSecurity.runAsUser }}
+runAsGroup: {{ .Values.podSecurity.runAsGroup }}
+fsGroup: {{ .Values.podSecurity.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "vsurge.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop:
+    - ALL
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/*
+Environment shared by the chart's containers: pod identity from the downward API, a writable HOME on the
+/tmp emptyDir (the root filesystem is read-only), and OpenTelemetry when tracing.endpoint is set.
+Call with (dict "ctx" $ "service" "vsurge-router").
+*/}}
+{{- define "vsurge.commonEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+- name: HOME
+  value: /tmp
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- with .ctx.Values.tracing }}
+{{- if .endpoint }}
+- name: OTEL_SERVICE_NAME
+  value: {{ $.service | quote }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .endpoint | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: parentbased_traceidratio
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .samplingRatio | toString | quote }}
+- name: OTEL_PROPAGATORS
+  value: tracecontext,baggage
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: "k8s.namespace.name=$(POD_NAMESPACE),k8s.pod.name=$(POD_NAME),k8s.node.name=$(NODE_NAME)"
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+True ("true") when the operator and the router watch every namespace (ClusterRoles), empty otherwise.
+*/}}
+{{- define "vsurge.clusterWide" -}}
+{{- if not .Values.watchNamespaces }}true{{ end }}
+{{- end }}
+
+{{/*
+Operator RBAC, one rule per (apiGroup, resource) so that it reads as the table the tests compare it to.
+"namespacedRules": what it reconciles in each watched namespace.
+*/}}
+{{- define "vsurge.operator.namespacedRules" -}}
+# The resource it reconciles: read and watch, finalizers and annotations (kopf), status, scale.
+- apiGroups: ["vsurge.io"]
+  resources: ["inferencemodels"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["vsurge.io"]
+  resources: ["inferencemodels/status"]
+  verbs: ["patch"]
+- apiGroups: ["vsurge.io"]
+  resources: ["inferencemodels/scale"]
+  verbs: ["get", "patch"]
+# What it creates for each model: the workload (single host or multi-host), its Service and PDB.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The autoscaler finds the ready pods of a model to scrape their /metrics.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# kopf and the autoscaler post Events.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}
+
+{{/* kopf's peering: namespaced KopfPeerings when watching listed namespaces. */}}
+{{- define "vsurge.operator.namespacedPeeringRules" -}}
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
+
+{{/* What kopf needs cluster-wide in every mode: observe CRDs and namespaces (read-only). */}}
+{{- define "vsurge.operator.frameworkClusterRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+
+{{/* kopf's peering when watching all namespaces: ClusterKopfPeerings. */}}
+{{- define "vsurge.operator.clusterPeeringRules" -}}
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
+
+{{/* The router: find the models, and wake a model at zero replicas through its scale subresource. */}}
+{{- define "vsurge.router.rules" -}}
+- apiGroups: ["vsurge.io"]
+  resources: ["inferencemodels"]
+  verbs: ["list", "watch"]
+- apiGroups: ["vsurge.io"]
+  resources: ["inferencemodels/scale"]
+  verbs: ["get", "patch"]
+{{- end }}
+
+{{/*
+Checks of values that the schema cannot express. Rendered from templates/validate.yaml.
+*/}}
+{{- define "vsurge.validate" -}}
+{{- if and .Values.models .Values.watchNamespaces (not (has .Release.Namespace .Values.watchNamespaces)) }}
+{{- fail (printf "models are created in the release namespace %q, which is not in watchNamespaces %v: add it, or leave watchNamespaces empty" .Release.Namespace .Values.watchNamespaces) }}
+{{- end }}
+{{- $names := list }}
+{{- range .Values.models }}
+{{- if has .name $names }}
+{{- fail (printf "models: the name %q is listed twice" .name) }}
+{{- end }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- if and .Values.router.ingress.enabled (not .Values.router.enabled) }}
+{{- fail "router.ingress.enabled needs router.enabled" }}
+{{- end }}
+{{- end }}
