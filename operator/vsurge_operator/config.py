@@ -1,0 +1,43 @@
+"""Operator-wide settings: environment variables, overridden by command-line flags in ``__main__``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    # Image for models whose spec has none (the Helm chart fills spec.image for the models it creates).
+    default_image: str | None = None
+    # How often every model is re-reconciled to repair drift (an edited or deleted Deployment).
+    resync_seconds: float = 30.0
+    # Delay before retrying a reconcile that failed on a retriable API error (409, 429, 5xx).
+    retry_delay_seconds: float = 5.0
+    # Per-pod /metrics timeout; a slow pod counts as "metrics missing".
+    scrape_timeout_seconds: float = 2.0
+    # Timeout of one Kubernetes API request made by the operator's own client.
+    api_timeout_seconds: float = 30.0
+    # How often a model with autoscaling disabled is checked for it being enabled (no API calls).
+    autoscaler_idle_poll_seconds: float = 2.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if env is None else env
+        d = cls()
+
+        def num(key: str, default: float) -> float:
+            raw = env.get(key)
+            return float(raw) if raw not in (None, "") else default
+
+        return cls(
+            default_image=env.get("VSURGE_OPERATOR_DEFAULT_IMAGE") or None,
+            resync_seconds=num("VSURGE_OPERATOR_RESYNC_SECONDS", d.resync_seconds),
+            retry_delay_seconds=num("VSURGE_OPERATOR_RETRY_DELAY_SECONDS", d.retry_delay_seconds),
+            scrape_timeout_seconds=num("VSURGE_OPERATOR_SCRAPE_TIMEOUT_SECONDS", d.scrape_timeout_seconds),
+            api_timeout_seconds=num("VSURGE_OPERATOR_API_TIMEOUT_SECONDS", d.api_timeout_seconds),
+            autoscaler_idle_poll_seconds=num(
+                "VSURGE_OPERATOR_AUTOSCALER_IDLE_POLL_SECONDS", d.autoscaler_idle_poll_seconds
+            ),
+        )

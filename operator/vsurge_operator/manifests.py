@@ -1,0 +1,349 @@
+"""Pure builders: a :class:`~vsurge_operator.spec.ModelSpec` -> the Kubernetes objects that serve it.
+
+Everything a model needs is named after the model: the workload (a Deployment, or a LeaderWorkerSet when
+one replica spans several TPU hosts), a Service with ports ``http`` and ``metrics``, and a
+PodDisruptionBudget. Every object carries a controller owner reference to the InferenceModel so that
+deleting the model garbage-collects them. Quantities are written as strings because that is how the API
+server returns them, which keeps the drift check free of false positives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vsurge_operator import crd, tpu
+from vsurge_operator.spec import HTTP_PORT, METRICS_PORT, ModelSpec
+
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
+LABEL_MODEL = "vsurge.io/model"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+MANAGER = "vsurge-operator"
+APP_NAME = "vsurge-server"
+
+CONTAINER_NAME = "server"
+CACHE_DIR = "/var/cache/vsurge"
+MODEL_MOUNT = "/mnt/models"
+
+# Loading weights and compiling every bucket takes minutes on a large slice; the startup probe gives the
+# server up to 30 minutes before the liveness probe takes over.
+STARTUP_PERIOD_SECONDS = 10
+STARTUP_FAILURE_THRESHOLD = 180
+TERMINATION_GRACE_SECONDS = 60
+PROGRESS_DEADLINE_SECONDS = 3600
+
+
+def selector_labels(model: ModelSpec) -> dict[str, str]:
+    """Stable labels that select the model's pods (a Deployment's selector is immutable)."""
+    return {LABEL_NAME: APP_NAME, LABEL_MODEL: model.name}
+
+
+def labels(model: ModelSpec) -> dict[str, str]:
+    return {
+        **selector_labels(model),
+        LABEL_INSTANCE: model.name,
+        LABEL_COMPONENT: "server",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_PART_OF: "vsurge",
+    }
+
+
+def selector_string(model: ModelSpec) -> str:
+    """The pod selector in ``key=value,...`` form, published as ``.status.selector`` for the scale subresource."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(model).items()))
+
+
+def serving_selector(model: ModelSpec) -> dict[str, str]:
+    """Pods that answer HTTP: every pod of a Deployment, only the leaders of a LeaderWorkerSet."""
+    sel = selector_labels(model)
+    if model.multi_host:
+        sel[LWS_WORKER_INDEX_LABEL] = "0"
+    return sel
+
+
+def endpoint(model: ModelSpec) -> str:
+    """In-cluster URL of the model's Service, read by the router from ``.status.endpoint``."""
+    return f"http://{model.name}.{model.namespace}.svc.cluster.local:{HTTP_PORT}"
+
+
+def owner_reference(model: ModelSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "name": model.name,
+        "uid": model.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(model: ModelSpec) -> dict[str, Any]:
+    return {
+        "name": model.name,
+        "namespace": model.namespace,
+        "labels": labels(model),
+        "ownerReferences": [owner_reference(model)],
+    }
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
+def _value_env(name: str, value: Any) -> dict[str, Any]:
+    return {"name": name, "value": str(value)}
+
+
+def model_path(source: str) -> str:
+    """What ``VSURGE_MODEL`` gets: the source as is, except ``pvc://claim/path`` becomes the mounted path."""
+    if source.startswith("pvc://"):
+        _claim, _, path = source[len("pvc://"):].partition("/")
+        return f"{MODEL_MOUNT}/{path}".rstrip("/") if path else MODEL_MOUNT
+    return source
+
+
+def pvc_claim(source: str) -> str | None:
+    if source.startswith("pvc://"):
+        return source[len("pvc://"):].partition("/")[0]
+    return None
+
+
+def mesh(model: ModelSpec) -> str | None:
+    """The engine mesh: as set in the spec, else one covering the whole slice; CPU pods use the server default."""
+    if model.engine.mesh:
+        return model.engine.mesh
+    return model.placement.mesh() if model.placement else None
+
+
+def env(model: ModelSpec) -> list[dict[str, Any]]:
+    """Container environment: downward API first (later values expand ``$(POD_NAME)`` etc.), then the
+    ``VSURGE_*`` configuration of ``vsurge serve``, OpenTelemetry, and the user's overrides last."""
+    e = model.engine
+    out: list[dict[str, Any]] = [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("NODE_NAME", "spec.nodeName"),
+        _value_env("VSURGE_HOST", "0.0.0.0"),
+        _value_env("VSURGE_PORT", HTTP_PORT),
+        _value_env("VSURGE_METRICS_PORT", METRICS_PORT),
+        _value_env("VSURGE_MODEL", model_path(model.source)),
+        _value_env("VSURGE_SERVED_MODEL_NAME", model.served_name),
+    ]
+    optional: list[tuple[str, Any]] = [
+        ("VSURGE_DRIVER", e.driver),
+        ("VSURGE_MAX_CONCURRENT_DECODES", e.max_concurrent_decodes),
+        ("VSURGE_MAX_LENGTH", e.max_length),
+        ("VSURGE_PREFILL_LENGTHS", ",".join(map(str, e.prefill_lengths)) if e.prefill_lengths else None),
+        ("VSURGE_PAGE_SIZE", e.page_size),
+        ("VSURGE_HBM_UTILIZATION", e.hbm_utilization),
+        ("VSURGE_MESH", mesh(model)),
+        ("VSURGE_DTYPE", e.dtype),
+    ]
+    out += [_value_env(k, v) for k, v in optional if v is not None]
+    out.append(_value_env("VSURGE_CACHE_DIR", CACHE_DIR))
+    if model.tracing is not None:
+        t = model.tracing
+        out += [
+            _value_env("OTEL_SERVICE_NAME", t.service_name or f"vsurge-{model.name}"),
+            _value_env("OTEL_EXPORTER_OTLP_ENDPOINT", t.endpoint),
+            _value_env("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+            _value_env("OTEL_TRACES_SAMPLER_ARG", f"{t.sampling_ratio:g}"),
+            _value_env("OTEL_PROPAGATORS", "tracecontext,baggage"),
+            _value_env(
+                "OTEL_RESOURCE_ATTRIBUTES",
+                "k8s.namespace.name=$(POD_NAMESPACE),k8s.pod.name=$(POD_NAME),k8s.node.name=$(NODE_NAME)",
+            ),
+        ]
+    # A user entry replaces ours in place (keeping the order that $(VAR) expansion relies on).
+    index = {item["name"]: i for i, item in enumerate(out)}
+    for item in model.env:
+        if item["name"] in index:
+            out[index[item["name"]]] = dict(item)
+        else:
+            index[item["name"]] = len(out)
+            out.append(dict(item))
+    return out
+
+
+def _quantities(amounts: Mapping[str, Any] | None) -> dict[str, str]:
+    return {k: str(v) for k, v in (amounts or {}).items()}
+
+
+def resources(model: ModelSpec) -> dict[str, Any]:
+    """User resources plus the TPU chips of one host as both request and limit (GKE requires both)."""
+    requests = _quantities(model.resources.get("requests"))
+    limits = _quantities(model.resources.get("limits"))
+    if model.placement is not None:
+        chips = str(model.placement.chips_per_host)
+        requests[tpu.TPU_RESOURCE] = chips
+        limits[tpu.TPU_RESOURCE] = chips
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def container(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": model.image,
+        "command": ["vsurge", "serve"],
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
+        "env": env(model),
+        "resources": resources(model),
+        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}],
+    }
+    if model.image_pull_policy:
+        c["imagePullPolicy"] = model.image_pull_policy
+    if pvc_claim(model.source):
+        c["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if probes:
+        c["startupProbe"] = _probe("/liveness", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD)
+        c["livenessProbe"] = _probe("/liveness", 10, 6)
+        c["readinessProbe"] = _probe("/readiness", 5, 3)
+    return c
+
+
+def node_selector(model: ModelSpec) -> dict[str, str]:
+    sel = dict(model.node_selector)
+    if model.placement is not None:
+        sel.update(model.placement.node_selector())
+    return sel
+
+
+def tolerations(model: ModelSpec) -> list[dict[str, Any]]:
+    tol = [dict(t) for t in model.tolerations]
+    # GKE taints TPU node pools with google.com/tpu; tolerate it explicitly rather than relying on the
+    # ExtendedResourceToleration admission plugin being enabled.
+    tpu_toleration = {"key": tpu.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+    if model.placement is not None and tpu_toleration not in tol:
+        tol.append(tpu_toleration)
+    return tol
+
+
+def pod_template(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
+    pod_spec: dict[str, Any] = {
+        "containers": [container(model, probes=probes)],
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "volumes": [{"name": "cache", "emptyDir": {}}],
+    }
+    claim = pvc_claim(model.source)
+    if claim:
+        pod_spec["volumes"].append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    sel = node_selector(model)
+    if sel:
+        pod_spec["nodeSelector"] = sel
+    tol = tolerations(model)
+    if tol:
+        pod_spec["tolerations"] = tol
+    if model.service_account_name:
+        pod_spec["serviceAccountName"] = model.service_account_name
+    return {
+        "metadata": {
+            "labels": labels(model),
+            "annotations": {"kubectl.kubernetes.io/default-container": CONTAINER_NAME},
+        },
+        "spec": pod_spec,
+    }
+
+
+def deployment(model: ModelSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(model),
+        "spec": {
+            "replicas": model.desired_replicas(),
+            "selector": {"matchLabels": selector_labels(model)},
+            # Never drop below the serving capacity during a rollout: a new pod must be ready first.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
+            "template": pod_template(model),
+        },
+    }
+
+
+def leader_worker_set(model: ModelSpec) -> dict[str, Any]:
+    assert model.placement is not None
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": _metadata(model),
+        "spec": {
+            "replicas": model.desired_replicas(),
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "leaderWorkerTemplate": {
+                # One pod per TPU host of the slice; a failed host restarts the whole group because a
+                # JAX program cannot continue with a missing process.
+                "size": model.placement.hosts,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": pod_template(model, probes=True),
+                "workerTemplate": pod_template(model, probes=False),
+            },
+        },
+    }
+
+
+def workload(model: ModelSpec) -> dict[str, Any]:
+    return leader_worker_set(model) if model.multi_host else deployment(model)
+
+
+def service(model: ModelSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(model),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": serving_selector(model),
+            "ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def pod_disruption_budget(model: ModelSpec) -> dict[str, Any]:
+    # One replica at a time; for a multi-host model that is one whole group of pods.
+    max_unavailable = model.placement.hosts if model.multi_host and model.placement else 1
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(model),
+        "spec": {
+            "maxUnavailable": max_unavailable,
+            "selector": {"matchLabels": selector_labels(model)},
+            # A pod stuck loading must not block node drains.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def desired_objects(model: ModelSpec) -> list[dict[str, Any]]:
+    """Everything the model needs, workload first."""
+    return [workload(model), service(model), pod_disruption_budget(model)]

@@ -1,0 +1,138 @@
+"""One autoscaler pass for one model: find its pods, scrape them, decide, scale, report.
+
+The decision history is kept in memory per model (like the HPA controller's). After an operator
+restart it starts empty, and :func:`~vsurge_operator.autoscaler.decide` then refuses to scale down
+before a full scale-down window has passed, so a restart never sheds capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from vsurge_operator import kube, manifests, scraper, status, tracing, validation
+from vsurge_operator import spec as specmod
+from vsurge_operator.autoscaler import Decision, History, Policy, decide, without_last_event
+from vsurge_operator.config import OperatorConfig
+from vsurge_operator.reconcile import EventSink
+
+logger = logging.getLogger(__name__)
+
+OCCUPANCY_SERIES = specmod.PROMETHEUS_SERIES[specmod.METRIC_SLOT_OCCUPANCY]
+QUEUE_SERIES = specmod.PROMETHEUS_SERIES[specmod.METRIC_PREFILL_QUEUE]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+class ModelAutoscaler:
+    """Autoscaler state of one InferenceModel; call :meth:`step` every ``intervalSeconds``."""
+
+    def __init__(self, api: kube.Kube, config: OperatorConfig, events: EventSink) -> None:
+        self.api = api
+        self.config = config
+        self.events = events
+        self.history = History()
+
+    def reset(self) -> None:
+        self.history = History()
+
+    async def step(self, body: Mapping[str, Any], now: float | None = None) -> Decision | None:
+        """Returns the decision, or None when the model is not autoscaled or its spec is invalid."""
+        now = time.monotonic() if now is None else now
+        if validation.validate(body, default_image=self.config.default_image):
+            return None  # the reconciler reports invalid specs
+        model = specmod.parse(body, default_image=self.config.default_image)
+        if not model.autoscaling.enabled:
+            self.reset()
+            return None
+
+        pods = await asyncio.to_thread(
+            self.api.list, kube.POD, model.namespace, manifests.selector_string(model)
+        )
+        targets = scraper.scrape_targets(pods, manifests.selector_labels(model), leaders_only=model.multi_host)
+        results = await scraper.scrape(
+            targets, [OCCUPANCY_SERIES, QUEUE_SERIES], model=model.served_name,
+            timeout=self.config.scrape_timeout_seconds,
+        )
+        series = specmod.PROMETHEUS_SERIES[model.autoscaling.metric]
+        samples = [r.sample(series) for r in results]
+        policy = Policy.from_spec(model.autoscaling)
+        current = model.desired_replicas()
+
+        with tracing.span(
+            "vsurge.autoscale",
+            {
+                "k8s.namespace.name": model.namespace,
+                "vsurge.model": model.name,
+                "vsurge.autoscale.metric": policy.metric,
+                "vsurge.autoscale.target": policy.target,
+                "vsurge.autoscale.pods": len(samples),
+                "vsurge.autoscale.current_replicas": current,
+            },
+        ) as span:
+            decision = decide(current=current, samples=samples, policy=policy, history=self.history, now=now)
+            span.set_attribute("vsurge.autoscale.desired_replicas", decision.replicas)
+            span.set_attribute("vsurge.autoscale.recommended_replicas", decision.recommended)
+            span.set_attribute("vsurge.autoscale.reason", decision.reason)
+            if decision.value is not None:
+                span.set_attribute("vsurge.autoscale.value", decision.value)
+            if decision.scaled:
+                try:
+                    # Through the scale subresource, like any HPA: the reconciler carries spec.replicas
+                    # to the workload on the update event that follows.
+                    await asyncio.to_thread(
+                        self.api.patch, kube.INFERENCE_MODEL, model.namespace, model.name,
+                        {"spec": {"replicas": decision.replicas}}, "scale",
+                    )
+                except Exception:
+                    self.history = without_last_event(decision.history)
+                    raise
+                verb = "ScaledUp" if decision.replicas > current else "ScaledDown"
+                self.events(
+                    body, "Normal", verb,
+                    f"{current} -> {decision.replicas} replicas ({decision.reason}): {decision.message}",
+                )
+            self.history = decision.history
+
+        await asyncio.to_thread(self._write_status, body, decision, results, policy)
+        return decision
+
+    def _write_status(
+        self, body: Mapping[str, Any], decision: Decision, results: list[scraper.PodMetrics], policy: Policy
+    ) -> None:
+        previous = body.get("status") or {}
+        block: dict[str, Any] = {
+            "metric": policy.metric,
+            "target": policy.target,
+            "currentValue": _round(decision.value),
+            "recommendedReplicas": decision.recommended,
+            "desiredReplicas": decision.replicas,
+            "reason": decision.reason,
+            "message": decision.message,
+        }
+        old_block = previous.get("autoscaler") or {}
+        if decision.scaled:
+            block["lastScaleTime"] = status.now_rfc3339()
+        elif old_block.get("lastScaleTime"):
+            block["lastScaleTime"] = old_block["lastScaleTime"]
+        new = {
+            "occupancy": _round(scraper.mean_over_ready(results, OCCUPANCY_SERIES)),
+            "prefillQueue": _round(scraper.mean_over_ready(results, QUEUE_SERIES)),
+            "autoscaler": block,
+        }
+        patch = status.status_patch(previous, new)
+        if patch is None:
+            return
+        namespace, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
+        try:
+            self.api.patch(kube.INFERENCE_MODEL, namespace, name, {"status": patch}, subresource="status")
+        except ApiException as e:
+            if e.status != 404:
+                raise

@@ -1,0 +1,186 @@
+"""Typed view of an InferenceModel with the operator's defaults applied.
+
+``parse`` assumes the body already passed :func:`vsurge_operator.validation.validate`; it never
+raises on a valid body and never looks at the cluster. Defaults here must match the ``default:``
+values in the CRD schema (a test checks that), because a real API server applies the CRD's defaults
+while the operator must also cope with objects stored before a default existed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vsurge_operator import tpu
+
+HTTP_PORT = 11556
+METRICS_PORT = 11557
+
+METRIC_SLOT_OCCUPANCY = "slotOccupancy"
+METRIC_PREFILL_QUEUE = "prefillQueueSize"
+METRICS = (METRIC_SLOT_OCCUPANCY, METRIC_PREFILL_QUEUE)
+
+# Prometheus series served by `vsurge serve` on its metrics port, per autoscaling metric.
+PROMETHEUS_SERIES = {
+    METRIC_SLOT_OCCUPANCY: "vsurge_slot_occupancy",
+    METRIC_PREFILL_QUEUE: "vsurge_prefill_queue_size",
+}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Engine knobs; ``None`` means "not set": the server's own default applies."""
+
+    driver: str | None = None
+    max_concurrent_decodes: int | None = None
+    max_length: int | None = None
+    prefill_lengths: tuple[int, ...] | None = None
+    page_size: int | None = None
+    hbm_utilization: float | None = None
+    dtype: str | None = None
+    mesh: str | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    metric: str = METRIC_SLOT_OCCUPANCY
+    target: float = 0.7
+    tolerance: float = 0.1
+    interval_seconds: int = 15
+    scale_up_stabilization_seconds: int = 0
+    scale_down_stabilization_seconds: int = 300
+    scale_up_percent: int = 100
+    scale_up_pods: int = 4
+    scale_down_percent: int = 100
+    policy_period_seconds: int = 15
+
+
+@dataclass(frozen=True)
+class TracingSpec:
+    endpoint: str
+    sampling_ratio: float = 0.1
+    service_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the manifest builders need, with defaults resolved."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    source: str
+    served_name: str
+    image: str
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    placement: tpu.TpuPlacement | None = None
+    replicas: int | None = None
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    tracing: TracingSpec | None = None
+    image_pull_policy: str | None = None
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    env: tuple[Mapping[str, Any], ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    service_account_name: str | None = None
+
+    @property
+    def multi_host(self) -> bool:
+        return self.placement is not None and self.placement.multi_host
+
+    def desired_replicas(self) -> int:
+        """Replicas the workload should run now.
+
+        ``spec.replicas`` is the source of truth (the scale subresource writes it, by hand, by an
+        external HPA/KEDA, by the router waking a model, or by our autoscaler). When it is unset the
+        model starts at ``minReplicas`` if autoscaled, else 1. The autoscaler's min/max clamp is its
+        own business; a replica count set by hand is never overwritten here.
+        """
+        if self.replicas is not None:
+            return self.replicas
+        return self.autoscaling.min_replicas if self.autoscaling.enabled else 1
+
+
+_AUTOSCALING_KEYS = {
+    "enabled": "enabled",
+    "minReplicas": "min_replicas",
+    "maxReplicas": "max_replicas",
+    "metric": "metric",
+    "target": "target",
+    "tolerance": "tolerance",
+    "intervalSeconds": "interval_seconds",
+    "scaleUpStabilizationSeconds": "scale_up_stabilization_seconds",
+    "scaleDownStabilizationSeconds": "scale_down_stabilization_seconds",
+    "scaleUpPercent": "scale_up_percent",
+    "scaleUpPods": "scale_up_pods",
+    "scaleDownPercent": "scale_down_percent",
+    "policyPeriodSeconds": "policy_period_seconds",
+}
+
+_ENGINE_KEYS = {
+    "driver": "driver",
+    "maxConcurrentDecodes": "max_concurrent_decodes",
+    "maxLength": "max_length",
+    "prefillLengths": "prefill_lengths",
+    "pageSize": "page_size",
+    "hbmUtilization": "hbm_utilization",
+    "dtype": "dtype",
+    "mesh": "mesh",
+}
+
+
+def autoscaling_from(raw: Mapping[str, Any] | None) -> AutoscalingSpec:
+    raw = raw or {}
+    kwargs = {py: raw[k] for k, py in _AUTOSCALING_KEYS.items() if raw.get(k) is not None}
+    return AutoscalingSpec(**kwargs)
+
+
+def engine_from(raw: Mapping[str, Any] | None) -> EngineSpec:
+    raw = raw or {}
+    kwargs = {py: raw[k] for k, py in _ENGINE_KEYS.items() if raw.get(k) is not None}
+    if "prefill_lengths" in kwargs:
+        kwargs["prefill_lengths"] = tuple(kwargs["prefill_lengths"])
+    return EngineSpec(**kwargs)
+
+
+def parse(body: Mapping[str, Any], *, default_image: str | None = None) -> ModelSpec:
+    """Build a :class:`ModelSpec` from a validated InferenceModel body."""
+    meta = body.get("metadata", {})
+    spec = body.get("spec", {})
+    model = spec.get("model", {})
+    name = meta["name"]
+    tpu_raw = spec.get("tpu")
+    placement = tpu.placement(tpu_raw["accelerator"], tpu_raw["topology"]) if tpu_raw else None
+    tracing_raw = spec.get("tracing")
+    tracing = None
+    if tracing_raw and tracing_raw.get("endpoint"):
+        tracing = TracingSpec(
+            endpoint=tracing_raw["endpoint"],
+            sampling_ratio=float(tracing_raw.get("samplingRatio", 0.1)),
+            service_name=tracing_raw.get("serviceName"),
+        )
+    return ModelSpec(
+        name=name,
+        namespace=meta.get("namespace", "default"),
+        uid=meta.get("uid", ""),
+        generation=int(meta.get("generation", 0) or 0),
+        source=model["source"],
+        served_name=model.get("servedName") or name,
+        image=spec.get("image") or default_image or "",
+        engine=engine_from(spec.get("engine")),
+        placement=placement,
+        replicas=spec.get("replicas"),
+        autoscaling=autoscaling_from(spec.get("autoscaling")),
+        tracing=tracing,
+        image_pull_policy=spec.get("imagePullPolicy"),
+        resources=spec.get("resources") or {},
+        env=tuple(spec.get("env") or ()),
+        node_selector=spec.get("nodeSelector") or {},
+        tolerations=tuple(spec.get("tolerations") or ()),
+        service_account_name=spec.get("serviceAccountName"),
+    )

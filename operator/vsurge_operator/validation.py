@@ -1,0 +1,320 @@
+"""Validation of an InferenceModel body, returning errors that name the offending field.
+
+The CRD schema rejects most bad input at the API server, but not everything: cross-field rules (a
+topology the accelerator does not offer, a mesh that does not cover the slice, prefill buckets longer
+than ``maxLength``) and objects stored before the schema tightened. The operator re-checks everything
+here so that a bad spec sets ``Degraded`` with a clear message instead of creating half a deployment.
+Patterns are shared with the CRD (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vsurge_operator import spec as specmod
+from vsurge_operator import tpu
+
+# Keep in sync with helm/vsurge/crds/inferencemodels.vsurge.io.yaml (tests compare them).
+SOURCE_PATTERN = r"^(default|hf://[^\s]+|gs://[^\s]+|s3://[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|/[^\s]*)$"
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+TOPOLOGY_PATTERN = r"^[1-9][0-9]*x[1-9][0-9]*(x[1-9][0-9]*)?$"
+MESH_PATTERN = r"^(dp|fsdp|tp|sp|ep)=[1-9][0-9]*(,(dp|fsdp|tp|sp|ep)=[1-9][0-9]*)*$"
+TRACING_ENDPOINT_PATTERN = r"^(https?|grpc)://[^\s]+$"
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+DRIVERS = ("vdriver", "odriver")
+DTYPES = ("bfloat16", "float16", "float32")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+PAGE_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+# Ranges shared with the CRD schema: (minimum, maximum).
+RANGES: dict[str, tuple[float, float]] = {
+    "spec.replicas": (0, 1000),
+    "spec.engine.maxConcurrentDecodes": (1, 4096),
+    "spec.engine.maxLength": (16, 1048576),
+    "spec.engine.prefillLengths[]": (16, 1048576),
+    "spec.autoscaling.minReplicas": (0, 1000),
+    "spec.autoscaling.maxReplicas": (1, 1000),
+    "spec.autoscaling.tolerance": (0, 0.5),
+    "spec.autoscaling.intervalSeconds": (1, 3600),
+    "spec.autoscaling.scaleUpStabilizationSeconds": (0, 3600),
+    "spec.autoscaling.scaleDownStabilizationSeconds": (0, 3600),
+    "spec.autoscaling.scaleUpPercent": (1, 1000),
+    "spec.autoscaling.scaleUpPods": (1, 1000),
+    "spec.autoscaling.scaleDownPercent": (1, 100),
+    "spec.autoscaling.policyPeriodSeconds": (1, 1800),
+    "spec.tracing.samplingRatio": (0, 1),
+}
+
+
+@dataclass(frozen=True)
+class FieldError:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def format_errors(errors: list[FieldError]) -> str:
+    return "; ".join(str(e) for e in errors)
+
+
+class _Checker:
+    """Collects errors while walking the body; each check is a no-op when the value is absent."""
+
+    def __init__(self) -> None:
+        self.errors: list[FieldError] = []
+
+    def fail(self, path: str, message: str) -> None:
+        self.errors.append(FieldError(path, message))
+
+    def mapping(self, value: Any, path: str) -> Mapping[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            self.fail(path, "must be an object")
+            return {}
+        return value
+
+    def string(self, value: Any, path: str, pattern: str | None = None, choices: tuple[str, ...] = ()) -> None:
+        if value is None:
+            return
+        if not isinstance(value, str):
+            self.fail(path, "must be a string")
+        elif choices and value not in choices:
+            self.fail(path, f"must be one of {', '.join(choices)} (got {value!r})")
+        elif pattern and not re.match(pattern, value):
+            self.fail(path, f"{value!r} does not match {pattern}")
+
+    def integer(self, value: Any, path: str, range_key: str | None = None) -> None:
+        if value is None:
+            return
+        # bool is an int in Python but never a valid replica count or length.
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(path, "must be an integer")
+            return
+        self._range(value, path, range_key or path)
+
+    def number(self, value: Any, path: str, range_key: str | None = None, exclusive_min: bool = False) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            self.fail(path, "must be a number")
+            return
+        if exclusive_min and value <= 0:
+            self.fail(path, f"must be > 0 (got {value})")
+            return
+        self._range(value, path, range_key or path)
+
+    def _range(self, value: float, path: str, range_key: str) -> None:
+        if range_key in RANGES:
+            lo, hi = RANGES[range_key]
+            if not lo <= value <= hi:
+                self.fail(path, f"must be between {lo:g} and {hi:g} (got {value})")
+
+
+def validate(body: Mapping[str, Any], *, default_image: str | None = None) -> list[FieldError]:
+    """All problems of an InferenceModel body, in field order; empty when it can be reconciled."""
+    c = _Checker()
+    meta = c.mapping(body.get("metadata"), "metadata")
+    name = meta.get("name")
+    # The Service is named after the model, and Service names are DNS-1035 labels.
+    if not isinstance(name, str) or not re.match(DNS1035_LABEL, name) or len(name) > 63:
+        c.fail("metadata.name", f"{name!r} must be a DNS-1035 label (a-z, 0-9, '-', start with a letter, <= 63)")
+
+    spec = body.get("spec")
+    if not isinstance(spec, Mapping):
+        c.fail("spec", "is required and must be an object")
+        return c.errors
+
+    model = spec.get("model")
+    if not isinstance(model, Mapping):
+        c.fail("spec.model", "is required and must be an object")
+    else:
+        if model.get("source") is None:
+            c.fail("spec.model.source", "is required")
+        c.string(model.get("source"), "spec.model.source", SOURCE_PATTERN)
+        c.string(model.get("servedName"), "spec.model.servedName", SERVED_NAME_PATTERN)
+
+    c.string(spec.get("image"), "spec.image")
+    if spec.get("image") == "":
+        c.fail("spec.image", "must not be empty (omit it to use the operator's default image)")
+    elif not spec.get("image") and not default_image:
+        c.fail("spec.image", "is required (the operator has no default image configured)")
+    c.string(spec.get("imagePullPolicy"), "spec.imagePullPolicy", choices=PULL_POLICIES)
+    c.integer(spec.get("replicas"), "spec.replicas")
+
+    _validate_engine(c, c.mapping(spec.get("engine"), "spec.engine"))
+    placement = _validate_tpu(c, spec.get("tpu"))
+    _validate_mesh(c, spec, placement)
+    _validate_autoscaling(c, c.mapping(spec.get("autoscaling"), "spec.autoscaling"))
+    _validate_tracing(c, spec.get("tracing"))
+    _validate_pod_overrides(c, spec, placement)
+    return c.errors
+
+
+def _validate_engine(c: _Checker, engine: Mapping[str, Any]) -> None:
+    c.string(engine.get("driver"), "spec.engine.driver", choices=DRIVERS)
+    c.integer(engine.get("maxConcurrentDecodes"), "spec.engine.maxConcurrentDecodes")
+    c.integer(engine.get("maxLength"), "spec.engine.maxLength")
+    page_size = engine.get("pageSize")
+    c.integer(page_size, "spec.engine.pageSize")
+    if isinstance(page_size, int) and not isinstance(page_size, bool) and page_size not in PAGE_SIZES:
+        c.fail("spec.engine.pageSize", f"must be one of {', '.join(map(str, PAGE_SIZES))} (got {page_size})")
+    c.number(engine.get("hbmUtilization"), "spec.engine.hbmUtilization", exclusive_min=True)
+    hbm = engine.get("hbmUtilization")
+    if isinstance(hbm, int | float) and not isinstance(hbm, bool) and hbm > 1:
+        c.fail("spec.engine.hbmUtilization", f"must be <= 1 (got {hbm})")
+    c.string(engine.get("dtype"), "spec.engine.dtype", choices=DTYPES)
+    c.string(engine.get("mesh"), "spec.engine.mesh", MESH_PATTERN)
+
+    lengths = engine.get("prefillLengths")
+    if lengths is None:
+        return
+    if not isinstance(lengths, list) or not lengths:
+        c.fail("spec.engine.prefillLengths", "must be a non-empty list of integers")
+        return
+    for i, n in enumerate(lengths):
+        c.integer(n, f"spec.engine.prefillLengths[{i}]", "spec.engine.prefillLengths[]")
+    ints = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool)]
+    if len(ints) == len(lengths):
+        if any(b <= a for a, b in zip(ints, ints[1:], strict=False)):
+            c.fail("spec.engine.prefillLengths", f"must be strictly increasing (got {ints})")
+        max_length = engine.get("maxLength")
+        if isinstance(max_length, int) and not isinstance(max_length, bool) and ints[-1] > max_length:
+            c.fail("spec.engine.prefillLengths", f"longest bucket {ints[-1]} exceeds spec.engine.maxLength {max_length}")
+
+
+def _validate_tpu(c: _Checker, raw: Any) -> tpu.TpuPlacement | None:
+    if raw is None:
+        return None
+    t = c.mapping(raw, "spec.tpu")
+    if not t:
+        return None
+    ok = True
+    for key in ("accelerator", "topology"):
+        if not isinstance(t.get(key), str):
+            c.fail(f"spec.tpu.{key}", "is required and must be a string")
+            ok = False
+    if not ok:
+        return None
+    if not re.match(TOPOLOGY_PATTERN, t["topology"]):
+        c.fail("spec.tpu.topology", f"{t['topology']!r} does not match {TOPOLOGY_PATTERN}")
+        return None
+    try:
+        return tpu.placement(t["accelerator"], t["topology"])
+    except tpu.PlacementError as e:
+        c.fail(e.field, e.message)
+        return None
+
+
+def _mesh_devices(mesh: str) -> int:
+    return math.prod(int(part.split("=", 1)[1]) for part in mesh.split(","))
+
+
+def _validate_mesh(c: _Checker, spec: Mapping[str, Any], placement: tpu.TpuPlacement | None) -> None:
+    engine = spec.get("engine")
+    mesh = engine.get("mesh") if isinstance(engine, Mapping) else None
+    if not isinstance(mesh, str) or not re.match(MESH_PATTERN, mesh):
+        return
+    axes = [part.split("=", 1)[0] for part in mesh.split(",")]
+    if len(set(axes)) != len(axes):
+        c.fail("spec.engine.mesh", f"{mesh!r} repeats an axis")
+    if placement is not None and _mesh_devices(mesh) != placement.chips:
+        c.fail(
+            "spec.engine.mesh",
+            f"{mesh!r} spans {_mesh_devices(mesh)} devices but {placement.accelerator} {placement.topology} "
+            f"has {placement.chips} chips",
+        )
+
+
+def _validate_autoscaling(c: _Checker, a: Mapping[str, Any]) -> None:
+    if not a:
+        return
+    p = "spec.autoscaling"
+    enabled = a.get("enabled")
+    if enabled is not None and not isinstance(enabled, bool):
+        c.fail(f"{p}.enabled", "must be a boolean")
+    for key in (
+        "minReplicas", "maxReplicas", "intervalSeconds", "scaleUpStabilizationSeconds",
+        "scaleDownStabilizationSeconds", "scaleUpPercent", "scaleUpPods", "scaleDownPercent",
+        "policyPeriodSeconds",
+    ):
+        c.integer(a.get(key), f"{p}.{key}")
+    c.string(a.get("metric"), f"{p}.metric", choices=specmod.METRICS)
+    c.number(a.get("target"), f"{p}.target", exclusive_min=True)
+    c.number(a.get("tolerance"), f"{p}.tolerance")
+    defaults = specmod.AutoscalingSpec()
+    lo = a.get("minReplicas", defaults.min_replicas)
+    hi = a.get("maxReplicas", defaults.max_replicas)
+    if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        c.fail(f"{p}.maxReplicas", f"must be >= minReplicas ({hi} < {lo})")
+    metric = a.get("metric", defaults.metric)
+    target = a.get("target")
+    if metric == specmod.METRIC_SLOT_OCCUPANCY and isinstance(target, int | float) and target > 1:
+        c.fail(f"{p}.target", f"slotOccupancy is a fraction; target must be <= 1 (got {target})")
+
+
+def _validate_tracing(c: _Checker, raw: Any) -> None:
+    if raw is None:
+        return
+    t = c.mapping(raw, "spec.tracing")
+    if not t.get("endpoint"):
+        c.fail("spec.tracing.endpoint", "is required when spec.tracing is set")
+    c.string(t.get("endpoint"), "spec.tracing.endpoint", TRACING_ENDPOINT_PATTERN)
+    c.number(t.get("samplingRatio"), "spec.tracing.samplingRatio")
+    c.string(t.get("serviceName"), "spec.tracing.serviceName")
+
+
+def _validate_pod_overrides(c: _Checker, spec: Mapping[str, Any], placement: tpu.TpuPlacement | None) -> None:
+    resources = c.mapping(spec.get("resources"), "spec.resources")
+    for kind in ("requests", "limits"):
+        amounts = c.mapping(resources.get(kind), f"spec.resources.{kind}")
+        for key, value in amounts.items():
+            path = f"spec.resources.{kind}.{key}"
+            if isinstance(value, bool) or not isinstance(value, int | float | str):
+                c.fail(path, "must be a quantity (string or number)")
+            elif isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+                c.fail(path, f"{value!r} is not a Kubernetes quantity")
+            elif key == tpu.TPU_RESOURCE and placement is not None and str(value) != str(placement.chips_per_host):
+                c.fail(path, f"must be {placement.chips_per_host} (chips per host of the slice) or omitted")
+
+    env = spec.get("env")
+    if env is not None:
+        if not isinstance(env, list):
+            c.fail("spec.env", "must be a list")
+        else:
+            for i, item in enumerate(env):
+                if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+                    c.fail(f"spec.env[{i}]", "must be an object with a string name")
+                else:
+                    c.string(item["name"], f"spec.env[{i}].name", ENV_NAME_PATTERN)
+
+    selector = c.mapping(spec.get("nodeSelector"), "spec.nodeSelector")
+    for key, value in selector.items():
+        if not isinstance(value, str):
+            c.fail(f"spec.nodeSelector.{key}", "must be a string")
+        elif placement is not None and key in placement.node_selector() and placement.node_selector()[key] != value:
+            c.fail(f"spec.nodeSelector.{key}", f"conflicts with spec.tpu ({placement.node_selector()[key]!r})")
+
+    tolerations = spec.get("tolerations")
+    if tolerations is not None:
+        if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
+            c.fail("spec.tolerations", "must be a list of objects")
+        else:
+            for i, t in enumerate(tolerations):
+                c.string(t.get("operator"), f"spec.tolerations[{i}].operator", choices=TOLERATION_OPERATORS)
+                c.string(t.get("effect"), f"spec.tolerations[{i}].effect", choices=TAINT_EFFECTS)
+    c.string(spec.get("serviceAccountName"), "spec.serviceAccountName", DNS1123_SUBDOMAIN)

@@ -1,0 +1,238 @@
+"""The CRD: a valid apiextensions/v1 object with a structural schema that rejects what it can.
+
+Specs are validated with a JSON-Schema validator on the CRD's ``openAPIV3Schema`` (Draft 4 semantics, as
+Kubernetes' OpenAPI v3 subset uses boolean ``exclusiveMinimum``). The patterns, enums, ranges and
+defaults must equal those of the operator's own validation and spec modules.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+from kubernetes_validate import utils as kv
+
+from vsurge_operator import crd, spec, tpu, validation
+
+CRD = crd.load_crd()
+SCHEMA = crd.openapi_schema(CRD)
+VALIDATOR = jsonschema.Draft4Validator(SCHEMA)
+SPEC = SCHEMA["properties"]["spec"]["properties"]
+
+
+def im(**spec_fields: Any) -> dict[str, Any]:
+    s: dict[str, Any] = {"model": {"source": "default"}}
+    s.update(spec_fields)
+    return {"apiVersion": "vsurge.io/v1alpha1", "kind": "InferenceModel", "metadata": {"name": "m"}, "spec": s}
+
+
+def test_crd_is_a_valid_kubernetes_object():
+    kv.validate(CRD, kv.latest_version(), strict=True)
+    assert CRD["metadata"]["name"] == crd.CRD_NAME
+    names = CRD["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == ("InferenceModel", "inferencemodels", ["im"])
+    assert CRD["spec"]["scope"] == "Namespaced" and CRD["spec"]["group"] == crd.GROUP
+
+
+def test_subresources_and_printer_columns():
+    (version,) = CRD["spec"]["versions"]
+    assert version["name"] == crd.VERSION and version["served"] and version["storage"]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns == {
+        "Model": ".spec.model.source", "Accelerator": ".spec.tpu.accelerator", "Topology": ".spec.tpu.topology",
+        "Ready": ".status.readyReplicas", "Desired": ".status.desiredReplicas", "Occupancy": ".status.occupancy",
+        "Age": ".metadata.creationTimestamp",
+    }
+
+
+def _nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for key, child in (node.get("properties") or {}).items():
+        yield from _nodes(child, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        yield from _nodes(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _nodes(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural():
+    for path, node in _nodes(SCHEMA):
+        special = node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+        assert "type" in node or special, f"{path} has no type"
+        assert not ("properties" in node and "additionalProperties" in node), path
+        for branch in node.get("anyOf", []):
+            assert node.get("x-kubernetes-int-or-string"), f"{path}: anyOf only for int-or-string"
+            assert set(branch) == {"type"}
+
+
+VALID = {
+    "minimal": im(),
+    "issue example": im(
+        model={"source": "gs://bucket/llama-3-8b", "servedName": "llama-3-8b"},
+        engine={"driver": "odriver", "maxConcurrentDecodes": 64, "maxLength": 4096, "prefillLengths": [256, 1024, 4096],
+                "pageSize": 128, "hbmUtilization": 0.85, "dtype": "bfloat16"},
+        tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"}, image="reg/vsurge-service:1", replicas=1,
+        autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 8, "metric": "slotOccupancy", "target": 0.7,
+                     "intervalSeconds": 15, "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300},
+        tracing={"endpoint": "http://otel-collector:4317", "samplingRatio": 0.1},
+    ),
+    "multi-host v5p": im(tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x4"}, engine={"mesh": "dp=2,tp=8"}),
+    "hf with overrides": im(
+        model={"source": "hf://Qwen/Qwen3-0.6B"},
+        resources={"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": 4294967296}},
+        env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+        nodeSelector={"pool": "a"}, tolerations=[{"key": "k", "operator": "Equal", "value": "v", "effect": "NoSchedule"}],
+        serviceAccountName="models", imagePullPolicy="IfNotPresent",
+    ),
+    "scale to zero on queue": im(model={"source": "pvc://weights/qwen"},
+                                 autoscaling={"enabled": True, "minReplicas": 0, "metric": "prefillQueueSize",
+                                              "target": 4}),
+    "local path": im(model={"source": "/models/llama"}, replicas=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALID))
+def test_valid_specs_pass(name):
+    VALIDATOR.validate(VALID[name])
+    # ...and the operator agrees (it has a default image configured here).
+    assert validation.validate(VALID[name], default_image="img") == []
+
+
+def _set(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    *parents, leaf = path.split(".")
+    node = doc
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is _DELETE:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
+    return doc
+
+
+_DELETE = object()
+BASE = VALID["issue example"]
+BAD = [
+    ("spec", _set(BASE, "spec", _DELETE)),
+    ("spec.model", _set(BASE, "spec.model", _DELETE)),
+    ("spec.model.source", _set(BASE, "spec.model.source", _DELETE)),
+    ("spec.model.source", _set(BASE, "spec.model.source", "ftp://host/model")),
+    ("spec.model.source", _set(BASE, "spec.model.source", "")),
+    ("spec.model.servedName", _set(BASE, "spec.model.servedName", "bad name")),
+    ("spec.engine.driver", _set(BASE, "spec.engine.driver", "fast")),
+    ("spec.engine.maxConcurrentDecodes", _set(BASE, "spec.engine.maxConcurrentDecodes", 0)),
+    ("spec.engine.maxLength", _set(BASE, "spec.engine.maxLength", 10**9)),
+    ("spec.engine.prefillLengths", _set(BASE, "spec.engine.prefillLengths", [])),
+    ("spec.engine.prefillLengths[]", _set(BASE, "spec.engine.prefillLengths", [8])),
+    ("spec.engine.pageSize", _set(BASE, "spec.engine.pageSize", 100)),
+    ("spec.engine.hbmUtilization", _set(BASE, "spec.engine.hbmUtilization", 0)),
+    ("spec.engine.hbmUtilization", _set(BASE, "spec.engine.hbmUtilization", 1.2)),
+    ("spec.engine.dtype", _set(BASE, "spec.engine.dtype", "int8")),
+    ("spec.engine.mesh", _set(BASE, "spec.engine.mesh", "tensor=8")),
+    ("spec.tpu.accelerator", _set(BASE, "spec.tpu.accelerator", "nvidia-h100")),
+    ("spec.tpu.topology", _set(BASE, "spec.tpu.topology", "2by4")),
+    ("spec.tpu.topology", _set(BASE, "spec.tpu.topology", "0x4")),
+    ("spec.tpu.topology", _set(BASE, "spec.tpu.topology", _DELETE)),
+    ("spec.image", _set(BASE, "spec.image", "")),
+    ("spec.imagePullPolicy", _set(BASE, "spec.imagePullPolicy", "Sometimes")),
+    ("spec.replicas", _set(BASE, "spec.replicas", -1)),
+    ("spec.replicas", _set(BASE, "spec.replicas", "2")),
+    ("spec.autoscaling.enabled", _set(BASE, "spec.autoscaling.enabled", "yes")),
+    ("spec.autoscaling.minReplicas", _set(BASE, "spec.autoscaling.minReplicas", -1)),
+    ("spec.autoscaling.maxReplicas", _set(BASE, "spec.autoscaling.maxReplicas", 0)),
+    ("spec.autoscaling.metric", _set(BASE, "spec.autoscaling.metric", "cpu")),
+    ("spec.autoscaling.target", _set(BASE, "spec.autoscaling.target", 0)),
+    ("spec.autoscaling.tolerance", _set(BASE, "spec.autoscaling.tolerance", 0.9)),
+    ("spec.autoscaling.intervalSeconds", _set(BASE, "spec.autoscaling.intervalSeconds", 0)),
+    ("spec.autoscaling.scaleDownStabilizationSeconds",
+     _set(BASE, "spec.autoscaling.scaleDownStabilizationSeconds", 7200)),
+    ("spec.autoscaling.scaleDownPercent", _set(BASE, "spec.autoscaling.scaleDownPercent", 101)),
+    ("spec.tracing.endpoint", _set(BASE, "spec.tracing.endpoint", "otel-collector:4317")),
+    ("spec.tracing.endpoint", _set(BASE, "spec.tracing.endpoint", _DELETE)),
+    ("spec.tracing.samplingRatio", _set(BASE, "spec.tracing.samplingRatio", 1.5)),
+    ("spec.resources.limits.cpu", _set(BASE, "spec.resources", {"limits": {"cpu": "lots"}})),
+    ("spec.env[0].name", _set(BASE, "spec.env", [{"value": "x"}])),
+    ("spec.env[0].name", _set(BASE, "spec.env", [{"name": "1=x"}])),
+    ("spec.nodeSelector.pool", _set(BASE, "spec.nodeSelector", {"pool": 3})),
+    ("spec.tolerations[0].operator", _set(BASE, "spec.tolerations", [{"key": "k", "operator": "Maybe"}])),
+    ("spec.serviceAccountName", _set(BASE, "spec.serviceAccountName", "Bad_Name")),
+]
+
+
+def _error_paths(doc: dict[str, Any]) -> set[str]:
+    paths = set()
+    for err in VALIDATOR.iter_errors(doc):
+        parts = []
+        for p in err.absolute_path:
+            parts.append(f"[{p}]" if isinstance(p, int) else f".{p}")
+        path = "".join(parts).lstrip(".")
+        if err.validator == "required":  # name the missing field, not its parent
+            missing = err.message.split("'")[1]
+            path = f"{path}.{missing}" if path else missing
+        paths.add(path)
+    return paths
+
+
+@pytest.mark.parametrize(("field", "doc"), BAD, ids=[f"{i}-{f}" for i, (f, _) in enumerate(BAD)])
+def test_bad_specs_are_rejected_by_the_schema(field, doc):
+    paths = _error_paths(doc)
+    expected = field.replace("prefillLengths[]", "prefillLengths[0]")
+    assert expected in paths, paths
+    # Defence in depth: the operator rejects it as well (objects may predate the schema).
+    assert validation.validate(doc, default_image="img"), f"validate() accepted {field}"
+
+
+def test_cross_field_rules_are_left_to_the_operator():
+    # The schema cannot see that v5e has no 4x4x4 slice; the operator must catch it.
+    doc = _set(BASE, "spec.tpu.topology", "4x4x4")
+    VALIDATOR.validate(doc)
+    assert [e.field for e in validation.validate(doc)] == ["spec.tpu.topology"]
+    # CEL rules carry the rest to a real API server.
+    rules = {r["rule"] for r in SPEC["autoscaling"]["x-kubernetes-validations"]}
+    assert "self.minReplicas <= self.maxReplicas" in rules
+
+
+def test_schema_matches_the_operator():
+    assert SPEC["model"]["properties"]["source"]["pattern"] == validation.SOURCE_PATTERN
+    assert SPEC["model"]["properties"]["servedName"]["pattern"] == validation.SERVED_NAME_PATTERN
+    assert SPEC["tpu"]["properties"]["topology"]["pattern"] == validation.TOPOLOGY_PATTERN
+    assert SPEC["engine"]["properties"]["mesh"]["pattern"] == validation.MESH_PATTERN
+    assert SPEC["tracing"]["properties"]["endpoint"]["pattern"] == validation.TRACING_ENDPOINT_PATTERN
+    assert SPEC["env"]["items"]["properties"]["name"]["pattern"] == validation.ENV_NAME_PATTERN
+    assert SPEC["serviceAccountName"]["pattern"] == validation.DNS1123_SUBDOMAIN
+    for kind in ("requests", "limits"):
+        assert SPEC["resources"]["properties"][kind]["additionalProperties"]["pattern"] == validation.QUANTITY_PATTERN
+    toleration = SPEC["tolerations"]["items"]["properties"]
+    assert tuple(toleration["operator"]["enum"]) == validation.TOLERATION_OPERATORS
+    assert tuple(toleration["effect"]["enum"]) == validation.TAINT_EFFECTS
+    assert set(SPEC["tpu"]["properties"]["accelerator"]["enum"]) == set(tpu.ACCELERATORS)
+    assert tuple(SPEC["engine"]["properties"]["driver"]["enum"]) == validation.DRIVERS
+    assert tuple(SPEC["engine"]["properties"]["dtype"]["enum"]) == validation.DTYPES
+    assert tuple(SPEC["engine"]["properties"]["pageSize"]["enum"]) == validation.PAGE_SIZES
+    assert tuple(SPEC["imagePullPolicy"]["enum"]) == validation.PULL_POLICIES
+    assert tuple(SPEC["autoscaling"]["properties"]["metric"]["enum"]) == spec.METRICS
+    for key, (lo, hi) in validation.RANGES.items():
+        node = SCHEMA
+        for part in key.split("."):
+            node = node["properties"][part.removesuffix("[]")]
+            if part.endswith("[]"):
+                node = node["items"]
+        assert (node.get("minimum"), node.get("maximum")) == (lo, hi), key
+
+
+def test_defaults_match_the_operator():
+    defaults = spec.AutoscalingSpec()
+    props = SPEC["autoscaling"]["properties"]
+    for crd_key, py_key in spec._AUTOSCALING_KEYS.items():
+        assert props[crd_key]["default"] == getattr(defaults, py_key), crd_key
+    assert SPEC["tracing"]["properties"]["samplingRatio"]["default"] == spec.TracingSpec("x").sampling_ratio
