@@ -44,7 +44,10 @@ def test_shape_does_not_match_config(ckpt_copy):
     cfg = json.loads((ckpt_copy / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (ckpt_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape",
+    ):
         vsurge.load_model(ckpt_copy)
 
 

@@ -11,7 +11,12 @@ import vsurge
 from vsurge.models import ModelConfig, greedy_by_recompute, greedy_generate, logits
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "tied"]
-PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12], [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210], [64]]
+PROMPTS = [
+    [5, 17, 42, 99, 3, 250, 7],
+    [11, 12],
+    [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210],
+    [64],
+]
 
 
 def hf_greedy(hf, prompt, n):
