@@ -64,6 +64,8 @@ history, never on the other slots or on which slot it landed in.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -243,11 +245,27 @@ def _pad_last(x: jax.Array, multiple: int, value: float) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=value)
 
 
+_TOPK_BARRIER: contextvars.ContextVar[bool] = contextvars.ContextVar("vsurge_topk_barrier", default=True)
+
+
+@contextlib.contextmanager
+def sharded_sampling():
+    """Trace `sample` for a program partitioned over a mesh (see `_lax_top_k`)."""
+    token = _TOPK_BARRIER.set(False)
+    try:
+        yield
+    finally:
+        _TOPK_BARRIER.reset(token)
+
+
 def _lax_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     # XLA:CPU lowers top_k to sort + slice and pattern-matches that back to a partial-sort TopK call.
     # Slicing the result again (e.g. vals[:, :1]) breaks the match and leaves a full sort of the
     # vocabulary (~30 ms at 64 x 4096); the barrier keeps later slices out of the pattern.
-    vals, ids = lax.optimization_barrier(lax.top_k(x, k))
+    vals, ids = lax.top_k(x, k)
+    if _TOPK_BARRIER.get():
+        # under SPMD partitioning (engines on a mesh) the barrier crashes XLA's TopkDecomposer
+        vals, ids = lax.optimization_barrier((vals, ids))
     return vals, ids
 
 

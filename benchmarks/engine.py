@@ -1,0 +1,215 @@
+"""Engine throughput: vSurge against the raw jitted decode loop and transformers' generate, in one run.
+
+    python benchmarks/engine.py                      # default model, batches 1 8 32 64 + mixed workload
+    python benchmarks/engine.py --batches 1 8 --skip-hf --output-tokens 64
+
+Output tokens/s for each concurrency:
+  raw     a jitted decode step of the same model at the same batch, called in a Python loop with no
+          sampling, no host reads and no scheduling: the limit of this machine for our model code;
+  vsurge  requests submitted together to vSurge (prefill, on-device sampling, detokenization included);
+  hf      transformers `generate` (PyTorch, CPU, greedy) on the same weights and batch.
+Mixed workload: 64 requests, prompts 32-512 tokens, outputs 16-256 tokens, at most 32 in flight; transformers
+runs them in batches of 32 (left padded, each batch as long as its longest output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+
+def build_surge(model, tok, args, driver: str = "vdriver"):
+    from vsurge.surge import vSurge
+
+    kw = dict(
+        max_concurrent_decodes=args.slots,
+        prefill_lengths=args.prefill_lengths,
+        max_length=args.max_length,
+    )
+    if driver == "odriver":
+        s = vSurge.create_odriver(model, tok, page_size=args.page_size, **kw)
+    else:
+        s = vSurge.create_vdriver(model, tok, **kw)
+    t = time.perf_counter()
+    s.compile()
+    print(f"# {driver} compiled in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    s.start()
+    return s
+
+
+def run_requests(surge, prompts, outputs, max_in_flight: int) -> tuple[float, int, list[float]]:
+    """Submit with at most max_in_flight running; returns (seconds, generated tokens, ttfts)."""
+    from vsurge.request import vSurgeRequest
+
+    sem = threading.Semaphore(max_in_flight)
+    counts = [0] * len(prompts)
+    ttft = [0.0] * len(prompts)
+    threads = []
+
+    def consume(i, active):
+        try:
+            for items in active.channel:
+                for s in items:
+                    counts[i] += len(s.token_ids)
+                    if s.time_to_first_token is not None:
+                        ttft[i] = s.time_to_first_token
+        finally:
+            sem.release()
+
+    t0 = time.perf_counter()
+    for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)):
+        sem.acquire()
+        req = vSurgeRequest(prompt=list(p), max_tokens=int(n), temperature=0.0, ignore_eos=True,
+                            is_client_side_tokenization=True)
+        th = threading.Thread(target=consume, args=(i, surge.submit(req)))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t0, sum(counts), ttft
+
+
+def raw_decode_loop(model, batch: int, prompt_len: int, steps: int) -> float:
+    """Tokens/s of a bare jitted greedy decode step with a donated dense cache."""
+    from functools import partial
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from vsurge.engines.vengine import decode_buckets
+    from vsurge.models.attention import DenseDecodeAttention
+
+    cfg = model.config
+    max_len = prompt_len + steps
+    kv_len = next(n for n in decode_buckets(max(max_len, 128)) if n >= max_len)
+    graphdef, params = nnx.split(model)
+
+    @partial(jax.jit, donate_argnums=(1,))
+    def step(params, caches, tokens, pos):
+        m = nnx.merge(graphdef, params)
+        hidden, caches = m(tokens[:, None], pos[:, None], DenseDecodeAttention(kv_len=kv_len), caches, pos)
+        nxt = jnp.argmax(m.compute_logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
+        return tuple(tuple(c) for c in caches), nxt, pos + 1
+
+    shape = (batch, kv_len, cfg.num_kv_heads, cfg.head_dim)
+    caches = tuple((jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers))
+    tokens = jnp.ones((batch,), jnp.int32)
+    pos = jnp.full((batch,), prompt_len, jnp.int32)
+    caches, tokens, pos = step(params, caches, tokens, pos)  # compile
+    tokens.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(steps - 1):
+        caches, tokens, pos = step(params, caches, tokens, pos)
+    tokens.block_until_ready()
+    return batch * (steps - 1) / (time.perf_counter() - t0)
+
+
+def hf_model(gguf_path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    d, f = os.path.split(gguf_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+def hf_generate(hf, prompts, outputs, batch: int) -> tuple[float, int]:
+    """transformers greedy generate in batches; returns (seconds, useful generated tokens)."""
+    import torch
+
+    t0, useful = time.perf_counter(), 0
+    for b in range(0, len(prompts), batch):
+        ps, ns = prompts[b : b + batch], outputs[b : b + batch]
+        width = max(len(p) for p in ps)
+        ids = torch.zeros((len(ps), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(ps):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        n = int(max(ns))
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                        pad_token_id=0)
+        useful += int(sum(ns))
+    return time.perf_counter() - t0, useful
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[32, 64, 128, 256, 512])
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--driver", choices=["vdriver", "odriver"], nargs="+", default=["vdriver"])
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-mixed", action="store_true")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+
+    import vsurge
+
+    src = args.model
+    if src == "default":
+        from vsurge.models.default_model import default_model_path
+
+        src = str(default_model_path())
+    t = time.perf_counter()
+    model, tok = vsurge.load_model(src)
+    print(f"# loaded {src} in {time.perf_counter() - t:.2f}s", file=sys.stderr)
+    rng = np.random.RandomState(0)
+    vocab = model.config.vocab_size
+    results: dict = {"model": src, "output_tokens": args.output_tokens, "concurrency": {}}
+    hf = hf_model(src) if not args.skip_hf and src.endswith(".gguf") else None
+    surges = {d: build_surge(model, tok, args, d) for d in args.driver}
+
+    print(f"{'batch':>5} {'raw tok/s':>10} " + " ".join(f"{d + ' tok/s':>14}" for d in surges) + f" {'hf tok/s':>10}")
+    for b in args.batches:
+        prompts = [list(rng.randint(100, vocab, size=args.prompt_tokens)) for _ in range(b)]
+        outs = [args.output_tokens] * b
+        row = {"raw": raw_decode_loop(model, b, args.prompt_tokens, args.output_tokens)}
+        for d, s in surges.items():
+            secs, toks, _ = run_requests(s, prompts, outs, b)
+            row[d] = toks / secs
+        if hf is not None:
+            secs, toks = hf_generate(hf, prompts, outs, b)
+            row["hf"] = toks / secs
+        results["concurrency"][b] = row
+        print(f"{b:>5} {row['raw']:>10.1f} " + " ".join(f"{row[d]:>14.1f}" for d in surges)
+              + f" {row.get('hf', float('nan')):>10.1f}", flush=True)
+
+    if not args.skip_mixed:
+        n = 64
+        prompts = [list(rng.randint(100, vocab, size=k)) for k in rng.randint(32, 513, size=n)]
+        outs = list(rng.randint(16, 257, size=n))
+        mixed = {}
+        for d, s in surges.items():
+            secs, toks, ttft = run_requests(s, prompts, outs, 32)
+            mixed[d] = {"seconds": secs, "tok_s": toks / secs, "ttft_p50": float(np.median(ttft))}
+        if hf is not None:
+            secs, toks = hf_generate(hf, prompts, outs, 32)
+            mixed["hf"] = {"seconds": secs, "tok_s": toks / secs}
+        results["mixed"] = mixed
+        print("mixed workload (64 requests, prompts 32-512, outputs 16-256, 32 in flight):")
+        for k, v in mixed.items():
+            print(f"  {k:>8}: {v['tok_s']:.1f} tok/s in {v['seconds']:.1f}s")
+    for s in surges.values():
+        s.stop()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""vEngine: one dense KV row per decode slot.
+
+State lives on the device and is donated to every jitted step, so the cache is updated in place.
+Prefill is padded to `prefill_lengths` buckets; decode reads only the first `kv_len` positions of each row,
+with `kv_len` picked from a few static buckets by the longest live sequence. Every shape is compiled in
+`compile()`; a live request only ever hits compiled programs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..models.attention import DenseDecodeAttention, PrefillAttention
+from ..models.sharding import kv_cache_sharding, place_params
+from ..sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from .sampling import (
+    DEFAULT_MAX_STOP_IDS,
+    SampleResult,
+    SlotSampling,
+    make_slot_sampling,
+    prompt_mask_from_tokens,
+    sample,
+    set_slot,
+    sharded_sampling,
+    update_counts,
+)
+
+log = logging.getLogger(__name__)
+
+
+class GenerationState(NamedTuple):
+    caches: tuple[tuple[jax.Array, jax.Array], ...]  # per layer K, V [slots, max_length, kv_heads, head_dim]
+    tokens: jax.Array  # i32[S] the token each slot feeds to its next decode step
+    positions: jax.Array  # i32[S] where that token goes (the slot's current length)
+    steps: jax.Array  # i32[S] tokens generated so far: the sampler's per-request step counter
+    counts: jax.Array  # i32[S, V] generated-token counts (presence / frequency / repetition penalties)
+    prompt_mask: jax.Array  # bool[S, V] tokens of the prompt (repetition penalty)
+    sampling: SlotSampling
+
+
+class Prefix(NamedTuple):
+    """A prefilled prompt, ready to be inserted into one or more slots."""
+
+    kv: tuple[tuple[jax.Array, jax.Array], ...]  # per layer k, v [bucket, kv_heads, head_dim]
+    logits: jax.Array  # f32[V] at the last prompt token: the first token is sampled at insert
+    length: jax.Array  # i32[] true prompt length
+    prompt_mask: jax.Array  # bool[V]
+    sampling: SlotSampling  # one row
+
+
+def default_prefill_lengths(max_prefill_length: int) -> list[int]:
+    out, n = [], 32
+    while n < max_prefill_length:
+        out.append(n)
+        n *= 2
+    return out + [max_prefill_length]
+
+
+def decode_buckets(max_length: int, smallest: int = 128) -> list[int]:
+    out, n = [], min(smallest, max_length)
+    while n < max_length:
+        out.append(n)
+        n *= 2
+    return out + [max_length]
+
+
+def _prefill_impl(graphdef, params, tokens, length, sampling):
+    model = nnx.merge(graphdef, params)
+    t = tokens.shape[0]
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    backend = PrefillAttention(window=model.config.sliding_window)
+    hidden, kv = model(tokens[None], positions, backend, [None] * model.config.num_layers, (positions, length[None]))
+    last = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=False)
+    logits = model.compute_logits(last)
+    mask = prompt_mask_from_tokens(tokens, length, logits.shape[-1])
+    kv = tuple((k[0], v[0]) for k, v in kv)
+    return Prefix(kv, logits, length, mask, sampling)
+
+
+def _insert_impl(prefix: Prefix, state: GenerationState, slot, key, *, num_top: int, shardings):
+    row = prefix.sampling._replace(key=key[None])
+    with _sampling_context(shardings):
+        first = sample(prefix.logits[None], row, None, prefix.prompt_mask[None], jnp.zeros((1,), jnp.int32), num_top)
+    caches = tuple(
+        (
+            jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), (slot, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), (slot, 0, 0, 0)),
+        )
+        for (kc, vc), (k, v) in zip(state.caches, prefix.kv, strict=True)
+    )
+    counts = state.counts.at[slot].set(0).at[slot, first.tokens[0]].add(1)
+    new = GenerationState(
+        caches=caches,
+        tokens=state.tokens.at[slot].set(first.tokens[0]),
+        positions=state.positions.at[slot].set(prefix.length),
+        steps=state.steps.at[slot].set(1),
+        counts=counts,
+        prompt_mask=state.prompt_mask.at[slot].set(prefix.prompt_mask),
+        sampling=set_slot(state.sampling, slot, row),
+    )
+    return _constrain(new, shardings), first
+
+
+def _decode_impl(graphdef, params, state: GenerationState, *, kv_len: int, num_top: int, shardings):
+    model = nnx.merge(graphdef, params)
+    backend = DenseDecodeAttention(window=model.config.sliding_window, kv_len=kv_len)
+    pos = state.positions
+    hidden, caches = model(state.tokens[:, None], pos[:, None], backend, state.caches, pos)
+    logits = model.compute_logits(hidden[:, 0])
+    with _sampling_context(shardings):
+        out = sample(logits, state.sampling, state.counts, state.prompt_mask, state.steps, num_top)
+    new = GenerationState(
+        caches=tuple(tuple(c) for c in caches),
+        tokens=out.tokens,
+        positions=pos + 1,
+        steps=state.steps + 1,
+        counts=update_counts(state.counts, out.tokens),
+        prompt_mask=state.prompt_mask,
+        sampling=state.sampling,
+    )
+    return _constrain(new, shardings), out
+
+
+def _sampling_context(shardings):
+    return contextlib.nullcontext() if shardings is None else sharded_sampling()
+
+
+def _constrain(state, shardings):
+    return state if shardings is None else jax.lax.with_sharding_constraint(state, shardings)
+
+
+class vEngine:  # noqa: N801 - the seed's name
+    """Dense-cache engine: prefill, insert into a slot, decode all slots, free a slot."""
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        max_concurrent_decodes: int | None = None,
+        max_concurrent_prefill: int | None = None,
+        prefill_lengths: Sequence[int] | None = None,
+        max_prefill_length: int | None = None,
+        max_length: int | None = None,
+        batch_size: int | None = None,
+        seed: int = 894,
+        mesh: Mesh | None = None,
+        num_top_logprobs: int = MAX_TOP_LOGPROBS,
+    ):
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self._processor = processor
+        self.mesh = mesh
+        self.max_concurrent_decodes = int(max_concurrent_decodes or 16)
+        self.max_concurrent_prefill = int(max_concurrent_prefill or 1)
+        self.max_length = int(max_length or min(cfg.max_position_embeddings, 2048))
+        lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
+        self.max_prefill_length = int(max_prefill_length or (lengths[-1] if lengths else min(1024, self.max_length)))
+        if self.max_prefill_length > self.max_length:
+            raise ValueError(f"max_prefill_length {self.max_prefill_length} exceeds max_length {self.max_length}")
+        self.prefill_lengths = [n for n in (lengths or default_prefill_lengths(self.max_prefill_length)) if n <= self.max_prefill_length]
+        if not self.prefill_lengths or self.prefill_lengths[-1] != self.max_prefill_length:
+            self.prefill_lengths.append(self.max_prefill_length)
+        self.decode_lengths = decode_buckets(self.max_length)
+        self.batch_size = batch_size
+        self.samples_per_slot = 1
+        self.num_top_logprobs = num_top_logprobs
+        self.prng_key = jax.random.PRNGKey(seed)
+
+        self.graphdef, params = nnx.split(model)
+        self.params = place_params(params, cfg, mesh) if mesh is not None else params
+        self._state_shardings = self._make_state_shardings()
+        self._pos = np.zeros(self.max_concurrent_decodes, np.int64)  # host mirror, picks the decode bucket
+        self._active = np.zeros(self.max_concurrent_decodes, bool)
+
+        self._prefill = jax.jit(partial(_prefill_impl, self.graphdef))
+        self._insert = jax.jit(
+            partial(_insert_impl, num_top=num_top_logprobs, shardings=self._state_shardings), donate_argnums=(1,)
+        )
+        self._decode = {
+            n: jax.jit(
+                partial(_decode_impl, self.graphdef, kv_len=n, num_top=num_top_logprobs, shardings=self._state_shardings),
+                donate_argnums=(1,),
+            )
+            for n in self.decode_lengths
+        }
+        self.compiled = False
+
+    # ------------------------------------------------------------------ properties of the seed's API
+    @property
+    def processor(self) -> Any:
+        return self._processor
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_type
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = set(self.config.eos_token_ids)
+        tok = self._processor
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+        return sorted(ids)
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self._processor
+        for v in (getattr(tok, "pad_token_id", None), self.config.pad_token_id):
+            if v is not None:
+                return int(v)
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    @property
+    def colocated_cpus(self) -> list[jax.Device] | None:
+        return None
+
+    # ------------------------------------------------------------------ state
+    def _replicated(self):
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(self._device())
+        return NamedSharding(self.mesh, P())
+
+    def _device(self) -> jax.Device:
+        leaf = jax.tree_util.tree_leaves(self.params)[0]
+        return next(iter(leaf.devices()))
+
+    def _cache_shape(self) -> tuple[int, ...]:
+        c = self.config
+        return (self.max_concurrent_decodes, self.max_length, c.num_kv_heads, c.head_dim)
+
+    def _make_state_shardings(self) -> GenerationState | None:
+        if self.mesh is None:
+            return None
+        kv = kv_cache_sharding(self.mesh, self._cache_shape())
+        rep = NamedSharding(self.mesh, P())
+        return GenerationState(
+            caches=tuple((kv, kv) for _ in range(self.config.num_layers)),
+            tokens=rep,
+            positions=rep,
+            steps=rep,
+            counts=rep,
+            prompt_mask=rep,
+            sampling=SlotSampling(*([rep] * len(SlotSampling._fields))),
+        )
+
+    def get_state_shardings(self, is_decode: bool = False):
+        return self._state_shardings if is_decode else self.get_prefix_destination_sharding()
+
+    def get_prefix_destination_sharding(self) -> Any:
+        """Where a prefix must live to be inserted here (used by the transfer thread)."""
+        if self.mesh is None:
+            return self._replicated()
+        c = self.config
+        kv = NamedSharding(self.mesh, P(None, "tp", None) if c.num_kv_heads % self.mesh.shape["tp"] == 0 else P())
+        rep = NamedSharding(self.mesh, P())
+        return Prefix(
+            kv=tuple((kv, kv) for _ in range(c.num_layers)),
+            logits=rep,
+            length=rep,
+            prompt_mask=rep,
+            sampling=SlotSampling(*([rep] * len(SlotSampling._fields))),
+        )
+
+    def init_decode_state(self, *args, **kwargs) -> GenerationState:
+        s, v = self.max_concurrent_decodes, self.config.vocab_size
+        dtype = self.model.dtype
+        rep = self._replicated()
+        kv_sharding = kv_cache_sharding(self.mesh, self._cache_shape()) if self.mesh is not None else rep
+        zeros = jax.jit(lambda: jnp.zeros(self._cache_shape(), dtype), out_shardings=kv_sharding)
+        caches = tuple((zeros(), zeros()) for _ in range(self.config.num_layers))
+        put = partial(jax.device_put, device=rep)
+        sampling = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
+        self._pos[:] = 0
+        self._active[:] = False
+        return GenerationState(
+            caches=caches,
+            tokens=put(np.zeros(s, np.int32)),
+            positions=put(np.zeros(s, np.int32)),
+            steps=put(np.zeros(s, np.int32)),
+            counts=put(np.zeros((s, v), np.int32)),
+            prompt_mask=put(np.zeros((s, v), bool)),
+            sampling=jax.tree.map(put, sampling),
+        )
+
+    # ------------------------------------------------------------------ steps
+    def bucket_for(self, length: int) -> int:
+        for n in self.prefill_lengths:
+            if length <= n:
+                return n
+        raise ValueError(f"prompt of {length} tokens exceeds max_prefill_length {self.max_prefill_length}")
+
+    def sampling_row(self, params: SamplingParams, stop_ids: Sequence[int] = ()) -> SlotSampling:
+        return make_slot_sampling([params], stop_ids=[list(stop_ids)[:DEFAULT_MAX_STOP_IDS]])
+
+    def prefill(self, tokens: Sequence[int], sampling: SlotSampling) -> Prefix:
+        """Prefill one prompt (padded to its bucket). Dispatched asynchronously."""
+        n = len(tokens)
+        if n < 1:
+            raise ValueError("empty prompt")
+        bucket = self.bucket_for(n)
+        padded = np.full(bucket, self.pad_token_id, np.int32)
+        padded[:n] = tokens
+        return self._prefill(self.params, padded, np.int32(n), sampling)
+
+    def insert(self, prefix: Prefix, decode_state: GenerationState, slot: int, key: np.ndarray | None = None):
+        """Put a prefix into `slot`; returns (state, first token SampleResult[1]). key: u32[2] per sample."""
+        if key is None:
+            key = prefix.sampling.key[0]
+        state, first = self._insert(prefix, decode_state, np.int32(slot), key)
+        self._pos[slot] = int(prefix.length)
+        self._active[slot] = True
+        return state, first
+
+    def bulk_insert(self, prefix: Prefix, decode_state: GenerationState, slots: Sequence[int], keys=None):
+        """Insert one prefix into several slots (n samples sharing one prefill)."""
+        firsts = []
+        for i, slot in enumerate(slots):
+            decode_state, first = self.insert(prefix, decode_state, slot, None if keys is None else keys[i])
+            firsts.append(first)
+        return decode_state, firsts
+
+    def decode(self, decode_state: GenerationState) -> tuple[GenerationState, SampleResult]:
+        """One token for every slot; reads only as much of each row as the longest live sequence needs."""
+        need = int(self._pos[self._active].max()) + 1 if self._active.any() else 1
+        kv_len = next((n for n in self.decode_lengths if n >= need), self.max_length)
+        state, out = self._decode[kv_len](self.params, decode_state)
+        self._pos[self._active] += 1
+        return state, out
+
+    def free_resource(self, slot: int) -> bool:
+        """Release a slot: it stops counting toward the decode bucket. Its row is overwritten on insert."""
+        was = bool(self._active[slot])
+        self._active[slot] = False
+        self._pos[slot] = 0
+        return was
+
+    # ------------------------------------------------------------------ warm-up
+    def compile(self, progress: Callable[[str], None] | None = None) -> float:
+        """Compile every prefill bucket, insert and decode bucket by running each once. Returns seconds."""
+        say = progress or log.info
+        t0 = time.perf_counter()
+        state = self.init_decode_state()
+        row = self.sampling_row(SamplingParams(temperature=0.0, max_tokens=1))
+        for n in self.prefill_lengths:
+            t = time.perf_counter()
+            prefix = self.prefill([1] * n, row)
+            state, first = self.insert(prefix, state, 0)
+            jax.block_until_ready(first)
+            say(f"compiled prefill bucket {n} ({time.perf_counter() - t:.1f}s)")
+        for n in self.decode_lengths:
+            t = time.perf_counter()
+            state, out = self._decode[n](self.params, state)
+            jax.block_until_ready(out)
+            say(f"compiled decode bucket kv_len={n} ({time.perf_counter() - t:.1f}s)")
+        self.free_resource(0)
+        del state
+        self.compiled = True
+        return time.perf_counter() - t0
