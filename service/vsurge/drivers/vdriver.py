@@ -12,6 +12,7 @@ back by the detokenize thread through a release queue; cancelled requests are no
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import queue
 import threading
@@ -46,7 +47,8 @@ class _DecodeLane:
         self.detok: queue.Queue = queue.Queue(8)  # bounds how far decode may run ahead of detokenization
         self.release: queue.SimpleQueue = queue.SimpleQueue()
         self.owners: list[tuple[ActiveRequest, int] | None] = [None] * engine.max_concurrent_decodes
-        self.free = collections.deque(range(engine.max_concurrent_decodes))
+        # a heap: the lowest free slot goes first, so live slots stay packed and decode covers few rows
+        self.free = list(range(engine.max_concurrent_decodes))
         self.waiting: collections.deque = collections.deque()
 
     @property
@@ -261,7 +263,7 @@ class vDriver:  # noqa: N801 - the seed's name
     def _release(self, lane: _DecodeLane, slot: int) -> None:
         lane.owners[slot] = None
         lane.engine.free_resource(slot)
-        lane.free.append(slot)
+        heapq.heappush(lane.free, slot)
 
     def _generate_loop(self, lane: _DecodeLane) -> None:
         engine = lane.engine
@@ -294,12 +296,12 @@ class vDriver:  # noqa: N801 - the seed's name
                 if req.cancelled:
                     self._lane_put(lane, ("abort", req))
                     continue
-                slots = [lane.free.popleft() for _ in range(req.params.n)]
+                slots = [heapq.heappop(lane.free) for _ in range(req.params.n)]
                 try:
                     state, firsts = engine.bulk_insert(prefix, state, slots, keys=req.keys)
                 except Exception as e:
                     for s in slots:
-                        lane.free.append(s)
+                        heapq.heappush(lane.free, s)
                     self._fail(req, f"insert failed: {e}")
                     continue
                 for i, (slot, first) in enumerate(zip(slots, firsts, strict=True)):
@@ -364,7 +366,7 @@ class vDriver:  # noqa: N801 - the seed's name
             _, out, owners = item
             host = [np.asarray(x) for x in out]
             touched = []
-            for slot, owner in enumerate(owners):
+            for slot, owner in enumerate(owners[: len(host[0])]):  # the step decoded the leading slots
                 if owner is None:
                     continue
                 req, i = owner

@@ -76,6 +76,15 @@ def decode_buckets(max_length: int, smallest: int = 128) -> list[int]:
     return out + [max_length]
 
 
+def row_buckets(slots: int, smallest: int = 4) -> list[int]:
+    """How many leading slots a decode step covers: powers of two up to `slots`."""
+    out, n = [], min(smallest, slots)
+    while n < slots:
+        out.append(n)
+        n *= 2
+    return out + [slots]
+
+
 def _prefill_impl(graphdef, params, tokens, length, sampling):
     model = nnx.merge(graphdef, params)
     t = tokens.shape[0]
@@ -113,20 +122,22 @@ def _insert_impl(prefix: Prefix, state: GenerationState, slot, key, *, num_top: 
     return _constrain(new, shardings), first
 
 
-def _decode_impl(graphdef, params, state: GenerationState, *, kv_len: int, num_top: int, shardings):
+def _decode_impl(graphdef, params, state: GenerationState, *, kv_len: int, rows: int, num_top: int, shardings):
+    """Decode the first `rows` slots (slots are handed out lowest first), reading kv_len positions each."""
     model = nnx.merge(graphdef, params)
     backend = DenseDecodeAttention(window=model.config.sliding_window, kv_len=kv_len)
-    pos = state.positions
-    hidden, caches = model(state.tokens[:, None], pos[:, None], backend, state.caches, pos)
+    pos = state.positions[:rows]
+    hidden, caches = model(state.tokens[:rows, None], pos[:, None], backend, state.caches, pos)
     logits = model.compute_logits(hidden[:, 0])
+    sampling = SlotSampling(*(a[:rows] for a in state.sampling))
     with _sampling_context(shardings):
-        out = sample(logits, state.sampling, state.counts, state.prompt_mask, state.steps, num_top)
+        out = sample(logits, sampling, state.counts[:rows], state.prompt_mask[:rows], state.steps[:rows], num_top)
     new = GenerationState(
         caches=tuple(tuple(c) for c in caches),
-        tokens=out.tokens,
-        positions=pos + 1,
-        steps=state.steps + 1,
-        counts=update_counts(state.counts, out.tokens),
+        tokens=state.tokens.at[:rows].set(out.tokens),
+        positions=state.positions.at[:rows].add(1),
+        steps=state.steps.at[:rows].add(1),
+        counts=state.counts.at[jnp.arange(rows), out.tokens].add(1),
         prompt_mask=state.prompt_mask,
         sampling=state.sampling,
     )
@@ -189,11 +200,20 @@ class vEngine:  # noqa: N801 - the seed's name
         self._insert = jax.jit(
             partial(_insert_impl, num_top=num_top_logprobs, shardings=self._state_shardings), donate_argnums=(1,)
         )
+        self.decode_rows = row_buckets(self.max_concurrent_decodes)
         self._decode = {
-            n: jax.jit(
-                partial(_decode_impl, self.graphdef, kv_len=n, num_top=num_top_logprobs, shardings=self._state_shardings),
+            (rows, n): jax.jit(
+                partial(
+                    _decode_impl,
+                    self.graphdef,
+                    kv_len=n,
+                    rows=rows,
+                    num_top=num_top_logprobs,
+                    shardings=self._state_shardings,
+                ),
                 donate_argnums=(1,),
             )
+            for rows in self.decode_rows
             for n in self.decode_lengths
         }
         self.compiled = False
@@ -333,11 +353,15 @@ class vEngine:  # noqa: N801 - the seed's name
         return decode_state, firsts
 
     def decode(self, decode_state: GenerationState) -> tuple[GenerationState, SampleResult]:
-        """One token for every slot; reads only as much of each row as the longest live sequence needs."""
-        need = int(self._pos[self._active].max()) + 1 if self._active.any() else 1
-        kv_len = next((n for n in self.decode_lengths if n >= need), self.max_length)
-        state, out = self._decode[kv_len](self.params, decode_state)
-        self._pos[self._active] += 1
+        """One token for every live slot. Runs the smallest compiled (rows, kv_len) that covers the
+        highest live slot and the longest live sequence; results have one row per decoded slot."""
+        live = np.flatnonzero(self._active)
+        need_rows = int(live[-1]) + 1 if live.size else 1
+        need_len = int(self._pos[live].max()) + 1 if live.size else 1
+        rows = next((r for r in self.decode_rows if r >= need_rows), self.max_concurrent_decodes)
+        kv_len = next((n for n in self.decode_lengths if n >= need_len), self.max_length)
+        state, out = self._decode[(rows, kv_len)](self.params, decode_state)
+        self._pos[live] += 1
         return state, out
 
     def free_resource(self, slot: int) -> bool:
@@ -360,11 +384,11 @@ class vEngine:  # noqa: N801 - the seed's name
             state, first = self.insert(prefix, state, 0)
             jax.block_until_ready(first)
             say(f"compiled prefill bucket {n} ({time.perf_counter() - t:.1f}s)")
-        for n in self.decode_lengths:
+        for (rows, n), fn in self._decode.items():
             t = time.perf_counter()
-            state, out = self._decode[n](self.params, state)
+            state, out = fn(self.params, state)
             jax.block_until_ready(out)
-            say(f"compiled decode bucket kv_len={n} ({time.perf_counter() - t:.1f}s)")
+            say(f"compiled decode bucket slots={rows} kv_len={n} ({time.perf_counter() - t:.1f}s)")
         self.free_resource(0)
         del state
         self.compiled = True

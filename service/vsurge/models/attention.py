@@ -68,13 +68,13 @@ class DenseDecodeAttention:
     def __call__(self, q, k, v, cache, meta):
         positions = meta
         kc, vc = cache
-        s, _, h, d = q.shape
+        s, _, h, d = q.shape  # s may be fewer than the cache's slots: the engine decodes the first s only
         kvh = k.shape[2]
         rows = jnp.arange(s)
         kc = kc.at[rows, positions].set(k[:, 0].astype(kc.dtype))
         vc = vc.at[rows, positions].set(v[:, 0].astype(vc.dtype))
         n = kc.shape[1] if self.kv_len is None else self.kv_len
-        ks, vs = kc[:, :n].astype(jnp.float32), vc[:, :n].astype(jnp.float32)
+        ks, vs = kc[:s, :n].astype(jnp.float32), vc[:s, :n].astype(jnp.float32)
         qg = q[:, 0].reshape(s, kvh, h // kvh, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
         scores = jnp.sum(qg[:, None] * ks[:, :, :, None, :], axis=-1)  # [S, N, KVH, G]
         ok = _allowed(positions[:, None], jnp.arange(n)[None, :], self.window)  # [S, N]
