@@ -1,0 +1,499 @@
+"""`vsurge serve | route | bench`: the command line.
+
+Every `serve` option also reads a `VSURGE_*` environment variable (the operator configures pods that
+way); a flag on the command line wins over the variable, the variable over the default. Parsing is pure
+(`parse_serve_config(argv, env)`), so it is tested without starting anything; nothing heavy (jax,
+transformers) is imported until a command runs, so `vsurge --help` is instant.
+
+Adding a subcommand (the router's `route`): call `register_subcommand(...)` from a module listed in
+`_PLUGIN_MODULES`; `main` imports those lazily-light modules when it builds the parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import runpy
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PORT = 11556
+
+
+# ---------------------------------------------------------------------------------------- value types
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    v = _int(text)
+    if v < 1:
+        raise ValueError(f"must be >= 1, got {v}")
+    return v
+
+
+def _port(text: str) -> int:
+    v = _int(text)
+    if not 0 <= v <= 65535:
+        raise ValueError(f"must be a port number 0-65535, got {v}")
+    return v
+
+
+def _metrics_port(text: str) -> int:
+    v = _int(text)
+    if v != -1 and not 0 <= v <= 65535:
+        raise ValueError(f"must be a port number 0-65535, or -1 for /metrics on the main port, got {v}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    v = _float(text)
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"must be in (0, 1], got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = _float(text)
+    if not v > 0:
+        raise ValueError(f"must be > 0, got {v}")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("expected comma-separated integers, e.g. 128,256,512")
+    out = [_positive_int(p) for p in parts]
+    return sorted(set(out))
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    parse.__name__ = "choice"
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    """One `serve` option: its flag, its environment variable, how to parse it, its default."""
+
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+SERVE_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "--model",
+        "VSURGE_MODEL",
+        str,
+        "default",
+        "HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)",
+        "PATH",
+    ),
+    Option(
+        "--served-model-name",
+        "VSURGE_SERVED_MODEL_NAME",
+        str,
+        None,
+        "name clients send as `model` (default: from the model path)",
+        "NAME",
+    ),
+    Option(
+        "--driver",
+        "VSURGE_DRIVER",
+        _choice("vdriver", "odriver"),
+        "vdriver",
+        "vdriver (one KV row per slot) or odriver (paged KV cache)",
+    ),
+    Option(
+        "--max-concurrent-decodes",
+        "VSURGE_MAX_CONCURRENT_DECODES",
+        _positive_int,
+        None,
+        "decode slots (concurrent sequences)",
+        "N",
+    ),
+    Option(
+        "--max-length",
+        "VSURGE_MAX_LENGTH",
+        _positive_int,
+        None,
+        "context length: prompt + generated tokens",
+        "N",
+    ),
+    Option(
+        "--prefill-lengths",
+        "VSURGE_PREFILL_LENGTHS",
+        _int_list,
+        None,
+        "prefill buckets, comma-separated (e.g. 128,256,512)",
+        "N,N,...",
+    ),
+    Option("--page-size", "VSURGE_PAGE_SIZE", _positive_int, 128, "tokens per KV page (odriver)", "N"),
+    Option(
+        "--hbm-utilization",
+        "VSURGE_HBM_UTILIZATION",
+        _fraction,
+        0.6,
+        "fraction of free device memory for KV pages (odriver)",
+        "F",
+    ),
+    Option(
+        "--mesh",
+        "VSURGE_MESH",
+        str,
+        None,
+        "device mesh, e.g. 'tp=4' or 'dp=2,tp=4' (default: one device)",
+        "SPEC",
+    ),
+    Option(
+        "--dtype",
+        "VSURGE_DTYPE",
+        _choice("float32", "bfloat16", "float16"),
+        None,
+        "parameter dtype (default: float32 on CPU, bfloat16 elsewhere)",
+    ),
+    Option("--seed", "VSURGE_SEED", _int, 894, "sampling seed for requests without one", "N"),
+    Option("--host", "VSURGE_HOST", str, "0.0.0.0", "address to bind", "HOST"),
+    Option("--port", "VSURGE_PORT", _port, DEFAULT_PORT, "HTTP port", "PORT"),
+    Option(
+        "--metrics-port",
+        "VSURGE_METRICS_PORT",
+        _metrics_port,
+        None,
+        "Prometheus port (default port+1; -1: /metrics on the main port)",
+        "PORT",
+    ),
+    Option(
+        "--api-key",
+        "VSURGE_API_KEY",
+        str,
+        None,
+        "require `Authorization: Bearer KEY` (probes and metrics exempt); prefer the env var",
+        "KEY",
+    ),
+    Option("--ssl-keyfile", "VSURGE_SSL_KEYFILE", str, None, "TLS private key (PEM)", "FILE"),
+    Option("--ssl-certfile", "VSURGE_SSL_CERTFILE", str, None, "TLS certificate chain (PEM)", "FILE"),
+    Option(
+        "--log-level",
+        "VSURGE_LOG_LEVEL",
+        _choice("critical", "error", "warning", "info", "debug"),
+        "info",
+        "log level",
+    ),
+    Option(
+        "--max-body-bytes",
+        "VSURGE_MAX_BODY_BYTES",
+        _positive_int,
+        8 * 1024 * 1024,
+        "largest request body; bigger ones get 413",
+        "N",
+    ),
+    Option(
+        "--drain-timeout",
+        "VSURGE_DRAIN_TIMEOUT",
+        _positive_float,
+        300.0,
+        "seconds SIGTERM waits for requests in flight",
+        "S",
+    ),
+)
+
+
+@dataclass
+class ServeConfig:
+    model: str = "default"
+    served_model_name: str | None = None
+    driver: str = "vdriver"
+    max_concurrent_decodes: int | None = None
+    max_length: int | None = None
+    prefill_lengths: list[int] | None = None
+    page_size: int = 128
+    hbm_utilization: float = 0.6
+    mesh: str | None = None
+    dtype: str | None = None
+    seed: int = 894
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    metrics_port: int | None = None
+    api_key: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    log_level: str = "info"
+    max_body_bytes: int = 8 * 1024 * 1024
+    drain_timeout: float = 300.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        """The served name: explicit, else derived from the model path."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model == "default":
+            return "SmolLM2-135M-Instruct"
+        p = Path(self.model.rstrip("/"))
+        return p.stem if p.suffix == ".gguf" else p.name
+
+    @property
+    def resolved_metrics_port(self) -> int:
+        return self.port + 1 if self.metrics_port is None else self.metrics_port
+
+
+class ConfigError(ValueError):
+    """A flag or environment variable has an invalid value; the message names which."""
+
+
+def _cli_type(opt: Option) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return opt.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = opt.dest
+    return parse
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for opt in SERVE_OPTIONS:
+        default = "" if opt.default is None else f" (default: {opt.default})"
+        parser.add_argument(
+            opt.flag,
+            dest=opt.dest,
+            type=_cli_type(opt),
+            default=None,  # None means "not given": the env var, then the default, fill it in
+            metavar=opt.metavar,
+            help=f"{opt.help}{default} [env {opt.env}]",
+        )
+
+
+def config_from_namespace(ns: argparse.Namespace, env: Mapping[str, str]) -> ServeConfig:
+    """Flags over environment over defaults; an invalid env value raises ConfigError naming the variable."""
+    values: dict[str, Any] = {}
+    for opt in SERVE_OPTIONS:
+        value = getattr(ns, opt.dest, None)
+        if value is None and env.get(opt.env, "") != "":
+            try:
+                value = opt.parse(env[opt.env])
+            except ValueError as e:
+                raise ConfigError(f"{opt.env}={env[opt.env]!r}: {e}") from None
+        values[opt.dest] = opt.default if value is None else value
+    cfg = ServeConfig(**values)
+    if bool(cfg.ssl_keyfile) != bool(cfg.ssl_certfile):
+        raise ConfigError(
+            "TLS needs both --ssl-keyfile and --ssl-certfile (VSURGE_SSL_KEYFILE / VSURGE_SSL_CERTFILE)"
+        )
+    if cfg.metrics_port not in (None, -1) and cfg.metrics_port == cfg.port and cfg.port != 0:
+        raise ConfigError(
+            f"--metrics-port {cfg.metrics_port} equals --port; use -1 to serve /metrics on the main port"
+        )
+    return cfg
+
+
+def parse_serve_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServeConfig:
+    """`vsurge serve` arguments (without the 'serve') plus the environment -> ServeConfig."""
+    parser = argparse.ArgumentParser(prog="vsurge serve")
+    add_serve_arguments(parser)
+    ns = parser.parse_args(list(argv))
+    return config_from_namespace(ns, os.environ if env is None else env)
+
+
+# ---------------------------------------------------------------------------------------- serve
+
+
+def build_surge(cfg: ServeConfig, model: Any, processor: Any, mesh: Any = None) -> Any:
+    """The vSurge for `cfg.driver` with the engine options of `cfg`."""
+    from vsurge.surge import vSurge
+
+    common = dict(
+        max_concurrent_decodes=cfg.max_concurrent_decodes,
+        prefill_lengths=cfg.prefill_lengths,
+        max_length=cfg.max_length,
+        seed=cfg.seed,
+        vsurge_name=cfg.model_name,
+        mesh=mesh,
+    )
+    if cfg.driver == "odriver":
+        if not hasattr(vSurge, "create_odriver"):
+            raise ConfigError("--driver odriver is not available in this build; use vdriver")
+        return vSurge.create_odriver(
+            model, processor, page_size=cfg.page_size, hbm_utilization=cfg.hbm_utilization, **common
+        )
+    return vSurge.create_vdriver(model, processor, **common)
+
+
+def run_serve(cfg: ServeConfig) -> int:
+    from vsurge.server import vSurgeApiServer
+    from vsurge.server.runner import serve
+
+    api = vSurgeApiServer(
+        api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, drain_timeout_s=cfg.drain_timeout
+    )
+
+    def startup(api: vSurgeApiServer, say: Callable[[str], None]) -> None:
+        say(f"loading model {cfg.model}")
+        t0 = time.perf_counter()
+        import vsurge
+
+        mesh = None
+        if cfg.mesh:
+            from vsurge.models.sharding import make_mesh
+
+            mesh = make_mesh(cfg.mesh)
+        model, processor = vsurge.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
+        load_s = time.perf_counter() - t0
+        say(f"loaded {cfg.model_name} in {load_s:.1f}s")
+        surge = build_surge(cfg, model, processor, mesh)
+        api.add_model(cfg.model_name, surge, load_seconds=load_s)
+
+    try:
+        serve(
+            api,
+            host=cfg.host,
+            port=cfg.port,
+            metrics_port=cfg.resolved_metrics_port if cfg.port else cfg.metrics_port,
+            log_level=cfg.log_level,
+            ssl_keyfile=cfg.ssl_keyfile,
+            ssl_certfile=cfg.ssl_certfile,
+            startup=startup,
+        )
+    except Exception as e:
+        print(f"vsurge serve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- bench
+
+
+def _benchmarks_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """`vsurge bench NAME [ARGS...]` runs benchmarks/NAME.py from a source checkout."""
+    path = _benchmarks_dir() / f"{args.name}.py"
+    if not path.exists():
+        available = (
+            sorted(p.stem for p in _benchmarks_dir().glob("*.py")) if _benchmarks_dir().exists() else []
+        )
+        print(
+            f"vsurge bench: no benchmark {args.name!r} (available: {', '.join(available) or 'none'})",
+            file=sys.stderr,
+        )
+        return 2
+    saved = sys.argv
+    sys.argv = [str(path), *args.bench_args]
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    finally:
+        sys.argv = saved
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- subcommands
+
+
+@dataclass
+class Subcommand:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+# Modules that register extra subcommands when imported. `vsurge route` lives in the router package:
+# vsurge/router/cli.py calls register_subcommand("route", ...). They must import nothing heavy at the top.
+_PLUGIN_MODULES = ("vsurge.router.cli",)
+
+
+def register_subcommand(
+    name: str,
+    help: str,  # noqa: A002 - argparse's word
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
+    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
+
+
+def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "name", nargs="?", default="serving", help="benchmark to run: benchmarks/NAME.py (default serving)"
+    )
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+
+
+def _run_serve_ns(ns: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_namespace(ns, os.environ)
+    except ConfigError as e:
+        print(f"vsurge serve: {e}", file=sys.stderr)
+        return 2
+    return run_serve(cfg)
+
+
+register_subcommand("serve", "run the OpenAI-compatible server", add_serve_arguments, _run_serve_ns)
+register_subcommand("bench", "run a benchmark from benchmarks/", _add_bench_arguments, run_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    for mod in _PLUGIN_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            # That subcommand is not part of this build yet; a broken import inside it still fails loudly.
+            if e.name is None or not mod.startswith(e.name):
+                raise
+    from vsurge import __version__
+
+    parser = argparse.ArgumentParser(prog="vsurge", description="vSurge: JAX LLM serving")
+    parser.add_argument("--version", action="version", version=f"vsurge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Running a vSurgeApiServer under uvicorn: bind first, load/compile in the background, drain on SIGTERM.
+
+Order of a start: the port is bound (probes get answers at once: liveness 200, readiness 503), then a
+background thread loads the models (`startup`), compiles every shape and starts the engines, marks the
+server ready and prints one line saying where it listens.
+
+SIGTERM (or SIGINT) starts a drain instead of uvicorn's immediate shutdown: readiness turns 503, new
+generations are refused with 503, requests in flight run to the end, then uvicorn closes and the engines
+stop. A second signal shuts down without waiting (a second SIGINT kills connections at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+
+from .metrics import start_metrics_server
+
+if TYPE_CHECKING:
+    from .app import vSurgeApiServer
+
+log = logging.getLogger(__name__)
+
+Startup = Callable[["vSurgeApiServer", Callable[[str], None]], None]
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal drains the API server instead of closing connections."""
+
+    def __init__(self, config: uvicorn.Config, api: vSurgeApiServer) -> None:
+        super().__init__(config)
+        self.api = api
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        from .app import DRAINING
+
+        if self.api.state == DRAINING:
+            # Second signal: stop waiting for the drain; a second SIGINT also drops open connections.
+            self.should_exit = True
+            if sig == signal.SIGINT:
+                self.force_exit = True
+            return
+        self.api.begin_drain(f"draining after signal {signal.Signals(sig).name}")
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.api.drain_complete():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+@dataclass
+class RunningServer:
+    """A server started by `start()`; `url` is the base URL with the real port."""
+
+    api: vSurgeApiServer
+    server: DrainingServer
+    thread: threading.Thread | None
+    host: str
+    port: int
+    scheme: str
+    metrics_url: str
+    metrics_httpd: Any = None
+    startup_thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        host = f"[{host}]" if ":" in host else host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        from .app import READY
+
+        deadline = time.monotonic() + timeout
+        while self.api.state != READY:
+            if self.api.fatal is not None:
+                raise RuntimeError(f"server startup failed: {self.api.fatal}") from self.api.fatal
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become ready")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Close at once (no drain); for tests and embedding."""
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout)
+        if self.metrics_httpd is not None:
+            self.metrics_httpd.shutdown()
+            self.metrics_httpd.server_close()
+
+
+def _announce(msg: str) -> None:
+    print(f"[vsurge] {msg}", file=sys.stderr, flush=True)
+
+
+def start(
+    api: vSurgeApiServer,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 11556,
+    metrics_port: int | None = None,
+    log_level: str = "info",
+    ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None,
+    startup: Startup | None = None,
+    warm_up: bool = True,
+    progress: Callable[[str], None] | None = _announce,
+    in_thread: bool = True,
+    configure_logging: bool = False,
+) -> RunningServer:
+    """Bind the ports, start the background startup, and run uvicorn in a thread (or prepare to run it).
+
+    port 0 picks a free port (tests). metrics_port None means port + 1; -1 serves /metrics on the main
+    port. warm_up=False leaves the server in 'starting' until the caller runs `api.warm_up()` or
+    `api.mark_ready()`.
+    """
+    say = progress or (lambda msg: None)
+    config = uvicorn.Config(
+        api.app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile,
+        access_log=False,  # one log line per request costs throughput; metrics count requests instead
+        lifespan="on",
+        log_config=uvicorn.config.LOGGING_CONFIG if configure_logging else None,
+        timeout_graceful_shutdown=30,
+    )
+    sock = config.bind_socket()
+    bound_port = sock.getsockname()[1]
+    scheme = "https" if ssl_certfile else "http"
+    metrics_httpd = None
+    if metrics_port is None:
+        metrics_port = bound_port + 1 if port else 0
+    api.metrics_on_main_port = metrics_port == -1
+    if metrics_port == -1:
+        metrics_url = f"{scheme}://{_shown(host)}:{bound_port}/metrics"
+    else:
+        metrics_httpd, _ = start_metrics_server(api.metrics.registry, host, metrics_port)
+        metrics_url = f"http://{_shown(host)}:{metrics_httpd.server_port}/metrics"
+    server = DrainingServer(config, api)
+    running = RunningServer(api, server, None, host, bound_port, scheme, metrics_url, metrics_httpd)
+
+    def background() -> None:
+        try:
+            if startup is not None:
+                startup(api, say)
+            if warm_up:
+                api.warm_up(say)
+            names = ", ".join(repr(n) for n in api.models) or "no models"
+            if warm_up or startup is not None:
+                say(f"ready: serving {names} at {running.url}/v1 (metrics {metrics_url})")
+        except BaseException as e:  # noqa: BLE001 - reported, then the server exits (on_tick sees fatal)
+            api.fatal = e
+            say(f"startup failed: {type(e).__name__}: {e}")
+
+    if startup is not None or warm_up:
+        running.startup_thread = threading.Thread(target=background, name="vsurge-startup", daemon=True)
+        running.startup_thread.start()
+
+    if in_thread:
+        running.thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="vsurge-uvicorn", daemon=True
+        )
+        running.thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started and running.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        running._sock = sock  # type: ignore[attr-defined]
+    return running
+
+
+def serve(api: vSurgeApiServer, **kw: Any) -> None:
+    """Run in the foreground until drained; raises the startup error if loading or compiling failed."""
+    running = start(api, in_thread=False, configure_logging=True, **kw)
+    sock: socket.socket = running._sock  # type: ignore[attr-defined]
+    try:
+        running.server.run(sockets=[sock])
+    finally:
+        if running.metrics_httpd is not None:
+            running.metrics_httpd.shutdown()
+            running.metrics_httpd.server_close()
+    if api.fatal is not None:
+        raise api.fatal
+
+
+def _shown(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

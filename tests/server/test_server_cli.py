@@ -1,0 +1,118 @@
+"""`vsurge serve` options: flags over VSURGE_* variables over defaults; bad values name their source."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vsurge.cli import SERVE_OPTIONS, ConfigError, parse_serve_config
+from vsurge.server.tracing import provider_from_env, tracing_configured
+
+
+def test_defaults():
+    cfg = parse_serve_config([], {})
+    assert cfg.model == "default" and cfg.port == 11556 and cfg.resolved_metrics_port == 11557
+    assert cfg.driver == "vdriver" and cfg.host == "0.0.0.0" and cfg.api_key is None
+    assert cfg.model_name == "SmolLM2-135M-Instruct"
+
+
+def test_every_option_reads_its_env_var():
+    env = {
+        "VSURGE_MODEL": "/models/llama/",
+        "VSURGE_SERVED_MODEL_NAME": "llama",
+        "VSURGE_DRIVER": "odriver",
+        "VSURGE_MAX_CONCURRENT_DECODES": "16",
+        "VSURGE_MAX_LENGTH": "4096",
+        "VSURGE_PREFILL_LENGTHS": "512, 128,256",
+        "VSURGE_PAGE_SIZE": "64",
+        "VSURGE_HBM_UTILIZATION": "0.8",
+        "VSURGE_MESH": "tp=4",
+        "VSURGE_DTYPE": "bfloat16",
+        "VSURGE_HOST": "127.0.0.1",
+        "VSURGE_PORT": "9000",
+        "VSURGE_METRICS_PORT": "-1",
+        "VSURGE_API_KEY": "sekrit",
+        "VSURGE_SSL_KEYFILE": "k.pem",
+        "VSURGE_SSL_CERTFILE": "c.pem",
+    }
+    cfg = parse_serve_config([], env)
+    assert (cfg.model, cfg.served_model_name, cfg.driver) == ("/models/llama/", "llama", "odriver")
+    assert (cfg.max_concurrent_decodes, cfg.max_length, cfg.prefill_lengths) == (16, 4096, [128, 256, 512])
+    assert (cfg.page_size, cfg.hbm_utilization, cfg.mesh, cfg.dtype) == (64, 0.8, "tp=4", "bfloat16")
+    assert (cfg.host, cfg.port, cfg.resolved_metrics_port) == ("127.0.0.1", 9000, -1)
+    assert (cfg.api_key, cfg.ssl_keyfile, cfg.ssl_certfile) == ("sekrit", "k.pem", "c.pem")
+    documented = {o.env for o in SERVE_OPTIONS}
+    assert set(env) <= documented
+
+
+def test_flag_beats_env_and_names():
+    cfg = parse_serve_config(["--port", "8000", "--model", "/m/x.gguf"], {"VSURGE_PORT": "9000"})
+    assert cfg.port == 8000 and cfg.resolved_metrics_port == 8001 and cfg.model_name == "x"
+    assert parse_serve_config(["--model", "/m/dir/"], {}).model_name == "dir"
+
+
+@pytest.mark.parametrize(
+    "env, fragment",
+    [
+        ({"VSURGE_PORT": "abc"}, "VSURGE_PORT='abc': expected an integer"),
+        ({"VSURGE_PORT": "70000"}, "VSURGE_PORT"),
+        ({"VSURGE_DRIVER": "tdriver"}, "must be one of vdriver, odriver"),
+        ({"VSURGE_HBM_UTILIZATION": "1.5"}, "VSURGE_HBM_UTILIZATION"),
+        ({"VSURGE_PREFILL_LENGTHS": "128,x"}, "VSURGE_PREFILL_LENGTHS"),
+        ({"VSURGE_MAX_LENGTH": "0"}, "must be >= 1"),
+        ({"VSURGE_SSL_KEYFILE": "k.pem"}, "needs both"),
+        ({"VSURGE_PORT": "9000", "VSURGE_METRICS_PORT": "9000"}, "equals --port"),
+    ],
+)
+def test_bad_env_values_name_the_variable(env, fragment):
+    with pytest.raises(ConfigError, match=None) as e:
+        parse_serve_config([], env)
+    assert fragment in str(e.value)
+
+
+def test_bad_flag_exits_with_usage(capsys):
+    with pytest.raises(SystemExit):
+        parse_serve_config(["--max-length", "-3"], {})
+    assert "--max-length" in capsys.readouterr().err
+
+
+def test_help_is_light():
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; from vsurge.cli import main; main(['serve', '--help'])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "VSURGE_MAX_CONCURRENT_DECODES" in out.stdout
+    mods = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, vsurge.cli; vsurge.cli.build_parser(); print('jax' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert mods.stdout.strip() == "False"
+
+
+def test_tracing_is_off_unless_configured():
+    assert not tracing_configured({})
+    assert provider_from_env({}) is None
+    assert not tracing_configured(
+        {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317"}
+    )
+    assert not tracing_configured(
+        {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317"}
+    )
+    assert tracing_configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317"})
+    provider = provider_from_env({"OTEL_TRACES_EXPORTER": "console"})
+    try:
+        assert provider.resource.attributes["service.name"] == "vsurge"
+    finally:
+        provider.shutdown()
+    with pytest.raises(RuntimeError, match="unknown exporter"):
+        provider_from_env({"OTEL_TRACES_EXPORTER": "zipkin2"})

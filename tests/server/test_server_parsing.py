@@ -1,0 +1,172 @@
+"""Request parsing as pure functions: every bad input is an APIError naming the field, never a crash."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import tiny_tokenizer
+
+from vsurge.server.errors import APIError, from_exception
+from vsurge.server.parsing import (
+    completion_prompts,
+    plan_chat,
+    plan_completion,
+    read_json,
+    render_chat,
+    validate,
+)
+from vsurge.server.schemas import ChatCompletionRequest, CompletionRequest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def chat(tok, **body):
+    body.setdefault("model", "m")
+    body.setdefault("messages", MSG)
+    return plan_chat(validate(ChatCompletionRequest, body), tok, max_length=100, vocab_size=320)
+
+
+def completion(**body):
+    body.setdefault("model", "m")
+    body.setdefault("prompt", "hello")
+    return plan_completion(validate(CompletionRequest, body), max_length=100, vocab_size=320)
+
+
+def err(fn, *a, **kw) -> APIError:
+    with pytest.raises(APIError) as e:
+        fn(*a, **kw)
+    assert e.value.status == 400
+    return e.value
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b"", "empty"),
+        (b'{"model": ', "not valid JSON"),
+        (b"\xff\xfe{}", "UTF-8"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"a": ' + b"1" * 5000 + b"}", "could not be parsed"),
+        (b"[" * 100000 + b"]" * 100000, ""),
+    ],
+)
+def test_read_json_rejects(body, fragment):
+    e = err(read_json, body)
+    assert fragment in e.message
+
+
+def test_validation_errors_name_the_field(tok):
+    assert err(chat, tok, max_tokens="5").param == "max_tokens"
+    assert err(chat, tok, stream=1).param == "stream"
+    assert err(chat, tok, messages=[{"role": "user", "content": 5}]).param == "messages[0].content"
+    e = err(chat, tok, foo=1)
+    assert e.param == "foo" and "Unrecognized request argument supplied: foo" in e.message
+    e = err(validate, ChatCompletionRequest, {"messages": MSG})
+    assert e.param == "model" and "Missing required parameter" in e.message
+    e = err(validate, CompletionRequest, {"model": "m", "prompt": 5})
+    assert e.param == "prompt" and "expected one of" in e.message
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("response_format", {"type": "json_object"}),
+        ("logit_bias", {"1": 5}),
+        ("functions", [{"name": "f"}]),
+        ("audio", {"voice": "alloy"}),
+        ("modalities", ["text", "audio"]),
+        ("store", True),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(tok, field, value):
+    e = err(chat, tok, **{field: value})
+    assert e.param == field and "not supported" in e.message
+
+
+def test_harmless_off_values_are_accepted(tok):
+    plan = chat(
+        tok, tools=[], tool_choice="none", response_format={"type": "text"}, modalities=["text"], store=False
+    )
+    assert plan.prompts[0].endswith("<|im_start|>assistant\n")
+
+
+def test_messages_roles_and_parts(tok):
+    assert err(chat, tok, messages=[]).param == "messages"
+    assert err(chat, tok, messages=[{"role": "wizard", "content": "x"}]).param == "messages[0].role"
+    e = err(chat, tok, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}])
+    assert "not supported" in e.message
+    img = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
+    assert err(chat, tok, messages=img).param == "messages[0].content[0].type"
+    parts = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    plan = chat(tok, messages=parts)
+    assert "<|im_start|>system\nbe brief<|im_end|>" in plan.prompts[0]
+    assert "a\nb" in plan.prompts[0]
+
+
+def test_sampling_bounds(tok):
+    assert err(chat, tok, max_tokens=-1).param == "max_tokens"
+    assert err(chat, tok, max_tokens=10**30).param == "max_tokens"
+    assert err(chat, tok, max_completion_tokens=101).param == "max_completion_tokens"
+    assert err(chat, tok, temperature=1e308).param == "temperature"
+    assert err(chat, tok, n=10**20).param == "n"
+    assert err(chat, tok, seed=10**40).param == "seed"
+    assert err(chat, tok, top_logprobs=3).param == "top_logprobs"  # without logprobs
+    assert err(chat, tok, stop=["x"] * 17).param == "stop"
+    assert err(chat, tok, stop_token_ids=[10**6]).param == "stop_token_ids"
+    assert err(chat, tok, stream_options={"include_usage": True}).param == "stream_options"
+    sp = chat(tok, top_k=10**30).sampling  # wider than the vocabulary: no filter, not an int32 overflow
+    assert sp.top_k == 0
+    # chat has no output cap by default: the context length, enforced by the engine
+    assert chat(tok).sampling.max_tokens == 100
+    assert chat(tok, max_completion_tokens=7).sampling.max_tokens == 7
+    body = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
+    nan = validate(ChatCompletionRequest, read_json(body.encode()))
+    assert err(plan_chat, nan, tok, max_length=100).param == "temperature"
+
+
+def test_completion_prompts_and_logprobs():
+    assert completion_prompts("a", 10) == ["a"]
+    assert completion_prompts([1, 2], 10) == [[1, 2]]
+    assert completion_prompts([[1], [2, 3]], 10) == [[1], [2, 3]]
+    assert completion_prompts(["a", "b"], 10) == ["a", "b"]
+    assert err(completion_prompts, [], 10).param == "prompt"
+    assert err(completion_prompts, "", 10).param == "prompt"
+    assert err(completion_prompts, [5, 99], 10).param == "prompt"
+    plan = completion(logprobs=2)
+    assert plan.sampling.logprobs and plan.sampling.top_logprobs == 2
+    assert completion().sampling.max_tokens == 16  # OpenAI's legacy default
+    assert err(completion, logprobs=21).param == "logprobs"
+    assert err(completion, suffix="x").param == "suffix"
+    assert err(completion, prompt=["a"] * 50, n=3).param == "n"
+
+
+def test_chat_template_errors_are_400(tok):
+    e = err(render_chat, tok, MSG, chat_template_kwargs={"tokenize": True})
+    assert e.param == "chat_template_kwargs.tokenize"
+    e = err(render_chat, tok, MSG, continue_final_message=True)
+    assert e.param == "continue_final_message"
+    assert err(render_chat, None, MSG).param == "model"
+
+
+def test_engine_exceptions_map_to_statuses():
+    from vsurge.request import PromptTooLongError, QueueFullError, RequestFailedError
+    from vsurge.sampling_params import InvalidSamplingParams
+
+    assert from_exception(InvalidSamplingParams("top_p", "bad")).param == "top_p"
+    assert from_exception(PromptTooLongError("long")).code == "context_length_exceeded"
+    q = from_exception(QueueFullError("full"))
+    assert q.status == 429 and q.headers["Retry-After"]
+    assert from_exception(RequestFailedError("boom")).status == 500
+    assert from_exception(ValueError("bad ids")).status == 400
+    body = from_exception(KeyError("x")).body()
+    assert set(body["error"]) == {"message", "type", "param", "code"}

@@ -1,0 +1,121 @@
+"""Response shaping as pure functions: OpenAI's shapes, SSE framing, logprobs without -inf."""
+
+from __future__ import annotations
+
+import json
+
+from vsurge.request import ReturnSample, TokenLogprob
+from vsurge.server.shaping import (
+    SSE_DONE,
+    ChunkWriter,
+    Collector,
+    chat_response,
+    completion_response,
+)
+
+
+def decode(token_id: int) -> str:
+    return {1: "Hel", 2: "lo", 3: "!", 4: "é"}.get(token_id, "?")
+
+
+def frames(raw: bytes) -> list[dict]:
+    out = []
+    for block in raw.split(b"\n\n"):
+        if not block:
+            continue
+        assert block.startswith(b"data: ")
+        out.append(json.loads(block[6:]))
+    return out
+
+
+def samples():
+    lp = [
+        TokenLogprob(1, -0.5, [(1, -0.5), (2, float("-inf"))]),
+        TokenLogprob(2, -1.0, [(2, -1.0), (3, -2.0)]),
+    ]
+    return [
+        [ReturnSample("Hel", [1], index=0, num_generated_tokens=1, num_prompt_tokens=5, logprobs=lp[:1])],
+        [
+            ReturnSample(
+                "lo",
+                [2],
+                index=0,
+                finish_reason="length",
+                num_generated_tokens=2,
+                num_prompt_tokens=5,
+                logprobs=lp[1:],
+            )
+        ],
+    ]
+
+
+def test_chat_response_shape():
+    col = Collector(1)
+    for s in samples():
+        col.add(s)
+    obj = chat_response("chatcmpl-1", 7, "m", col.choices, col.prompt_tokens, decode, with_logprobs=True)
+    assert obj["object"] == "chat.completion" and obj["model"] == "m" and obj["created"] == 7
+    (choice,) = obj["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Hello", "refusal": None}
+    assert choice["finish_reason"] == "length"
+    entries = choice["logprobs"]["content"]
+    assert [e["token"] for e in entries] == ["Hel", "lo"]
+    assert entries[0]["bytes"] == list(b"Hel")
+    assert entries[0]["top_logprobs"][1]["logprob"] == -9999.0  # -inf is not JSON
+    assert obj["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    json.dumps(obj, allow_nan=False)
+
+
+def test_completion_response_with_echo_and_offsets():
+    col = Collector(1)
+    for s in samples():
+        col.add(s)
+    obj = completion_response(
+        "cmpl-1", 7, "m", col.choices, 5, decode, with_logprobs=True, with_top=True, echo_prefixes=["Say: "]
+    )
+    (choice,) = obj["choices"]
+    assert obj["object"] == "text_completion"
+    assert choice["text"] == "Say: Hello"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["Hel", "lo"] and lp["text_offset"] == [5, 8]
+    assert lp["top_logprobs"][0] == {"Hel": -0.5, "lo": -9999.0}
+
+
+def test_chat_stream_frames_and_usage():
+    w = ChunkWriter(
+        operation="chat",
+        response_id="chatcmpl-1",
+        created=7,
+        model="m",
+        decode=decode,
+        with_logprobs=False,
+        with_top=False,
+        include_usage=True,
+    )
+    raw = w.role_frames([0]) + b"".join(w.frames(s) for s in samples()) + w.usage_frame() + SSE_DONE
+    assert raw.endswith(b"data: [DONE]\n\n")
+    objs = frames(raw[: -len(SSE_DONE)])
+    assert objs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [o["choices"][0]["delta"].get("content") for o in objs[1:3]] == ["Hel", "lo"]
+    assert objs[2]["choices"][0]["finish_reason"] == "length"
+    assert all(o["object"] == "chat.completion.chunk" and o["usage"] is None for o in objs[:-1])
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["total_tokens"] == 7
+
+
+def test_empty_deltas_are_skipped_and_completion_chunks():
+    w = ChunkWriter(
+        operation="text_completion",
+        response_id="cmpl-1",
+        created=7,
+        model="m",
+        decode=decode,
+        with_logprobs=False,
+        with_top=False,
+        include_usage=False,
+    )
+    held = [ReturnSample("", [4], index=0, num_generated_tokens=1)]  # half a character held back
+    assert w.frames(held) == b""
+    out = frames(w.frames([ReturnSample("é", [4], index=0, finish_reason="stop", num_generated_tokens=2)]))
+    assert out[0]["object"] == "text_completion" and out[0]["choices"][0]["text"] == "é"
+    assert "usage" not in out[0]
+    assert w.usage_frame() == b""
