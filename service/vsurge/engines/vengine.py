@@ -8,8 +8,10 @@ with `kv_len` picked from a few static buckets by the longest live sequence. Eve
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -34,7 +36,6 @@ from .sampling import (
     sample,
     set_slot,
     sharded_sampling,
-    update_counts,
 )
 
 log = logging.getLogger(__name__)
@@ -98,10 +99,15 @@ def _prefill_impl(graphdef, params, tokens, length, sampling):
     return Prefix(kv, logits, length, mask, sampling)
 
 
-def _insert_impl(prefix: Prefix, state: GenerationState, slot, key, *, num_top: int, shardings):
+def _first_impl(logits, row: SlotSampling, prompt_mask, key, *, num_top: int, sharded: bool):
+    """Sample a sample's first token from its prefix's last logits (one compiled shape for all buckets)."""
+    row = row._replace(key=key[None])
+    with sharded_sampling() if sharded else contextlib.nullcontext():
+        return sample(logits[None], row, None, prompt_mask[None], jnp.zeros((1,), jnp.int32), num_top)
+
+
+def _insert_impl(prefix: Prefix, state: GenerationState, slot, key, first_token, *, shardings):
     row = prefix.sampling._replace(key=key[None])
-    with _sampling_context(shardings):
-        first = sample(prefix.logits[None], row, None, prefix.prompt_mask[None], jnp.zeros((1,), jnp.int32), num_top)
     caches = tuple(
         (
             jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), (slot, 0, 0, 0)),
@@ -109,37 +115,42 @@ def _insert_impl(prefix: Prefix, state: GenerationState, slot, key, *, num_top: 
         )
         for (kc, vc), (k, v) in zip(state.caches, prefix.kv, strict=True)
     )
-    counts = state.counts.at[slot].set(0).at[slot, first.tokens[0]].add(1)
     new = GenerationState(
         caches=caches,
-        tokens=state.tokens.at[slot].set(first.tokens[0]),
+        tokens=state.tokens.at[slot].set(first_token),
         positions=state.positions.at[slot].set(prefix.length),
         steps=state.steps.at[slot].set(1),
-        counts=counts,
+        counts=state.counts.at[slot].set(0).at[slot, first_token].add(1),
         prompt_mask=state.prompt_mask.at[slot].set(prefix.prompt_mask),
         sampling=set_slot(state.sampling, slot, row),
     )
-    return _constrain(new, shardings), first
+    return _constrain(new, shardings)
 
 
-def _decode_impl(graphdef, params, state: GenerationState, *, kv_len: int, rows: int, num_top: int, shardings):
-    """Decode the first `rows` slots (slots are handed out lowest first), reading kv_len positions each."""
+def _forward_impl(graphdef, params, caches, tokens, positions, *, rows: int, kv_len: int, logits_sharding):
+    """The model over the first `rows` slots (slots are handed out lowest first), reading kv_len positions.
+
+    Separate from sampling so the sampler compiles once per row bucket, not once per (rows, kv_len).
+    """
     model = nnx.merge(graphdef, params)
     backend = DenseDecodeAttention(window=model.config.sliding_window, kv_len=kv_len)
-    pos = state.positions[:rows]
-    hidden, caches = model(state.tokens[:rows, None], pos[:, None], backend, state.caches, pos)
+    pos = positions[:rows]
+    hidden, caches = model(tokens[:rows, None], pos[:, None], backend, caches, pos)
     logits = model.compute_logits(hidden[:, 0])
+    if logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    return tuple(tuple(c) for c in caches), logits
+
+
+def _sample_impl(state: GenerationState, logits, *, rows: int, num_top: int, shardings):
     sampling = SlotSampling(*(a[:rows] for a in state.sampling))
     with _sampling_context(shardings):
         out = sample(logits, sampling, state.counts[:rows], state.prompt_mask[:rows], state.steps[:rows], num_top)
-    new = GenerationState(
-        caches=tuple(tuple(c) for c in caches),
+    new = state._replace(
         tokens=state.tokens.at[:rows].set(out.tokens),
         positions=state.positions.at[:rows].add(1),
         steps=state.steps.at[:rows].add(1),
         counts=state.counts.at[jnp.arange(rows), out.tokens].add(1),
-        prompt_mask=state.prompt_mask,
-        sampling=state.sampling,
     )
     return _constrain(new, shardings), out
 
@@ -197,24 +208,24 @@ class vEngine:  # noqa: N801 - the seed's name
         self._active = np.zeros(self.max_concurrent_decodes, bool)
 
         self._prefill = jax.jit(partial(_prefill_impl, self.graphdef))
-        self._insert = jax.jit(
-            partial(_insert_impl, num_top=num_top_logprobs, shardings=self._state_shardings), donate_argnums=(1,)
-        )
+        self._first = jax.jit(partial(_first_impl, num_top=num_top_logprobs, sharded=mesh is not None))
+        self._insert = jax.jit(partial(_insert_impl, shardings=self._state_shardings), donate_argnums=(1,))
         self.decode_rows = row_buckets(self.max_concurrent_decodes)
-        self._decode = {
+        logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
+        self._forward = {
             (rows, n): jax.jit(
-                partial(
-                    _decode_impl,
-                    self.graphdef,
-                    kv_len=n,
-                    rows=rows,
-                    num_top=num_top_logprobs,
-                    shardings=self._state_shardings,
-                ),
+                partial(_forward_impl, self.graphdef, rows=rows, kv_len=n, logits_sharding=logits_sharding),
                 donate_argnums=(1,),
             )
             for rows in self.decode_rows
             for n in self.decode_lengths
+        }
+        self._sample = {
+            rows: jax.jit(
+                partial(_sample_impl, rows=rows, num_top=num_top_logprobs, shardings=self._state_shardings),
+                donate_argnums=(0,),
+            )
+            for rows in self.decode_rows
         }
         self.compiled = False
 
@@ -339,7 +350,8 @@ class vEngine:  # noqa: N801 - the seed's name
         """Put a prefix into `slot`; returns (state, first token SampleResult[1]). key: u32[2] per sample."""
         if key is None:
             key = prefix.sampling.key[0]
-        state, first = self._insert(prefix, decode_state, np.int32(slot), key)
+        first = self._first(prefix.logits, prefix.sampling, prefix.prompt_mask, key)
+        state = self._insert(prefix, decode_state, np.int32(slot), key, first.tokens[0])
         self._pos[slot] = int(prefix.length)
         self._active[slot] = True
         return state, first
@@ -360,7 +372,9 @@ class vEngine:  # noqa: N801 - the seed's name
         need_len = int(self._pos[live].max()) + 1 if live.size else 1
         rows = next((r for r in self.decode_rows if r >= need_rows), self.max_concurrent_decodes)
         kv_len = next((n for n in self.decode_lengths if n >= need_len), self.max_length)
-        state, out = self._decode[(rows, kv_len)](self.params, decode_state)
+        s = decode_state
+        caches, logits = self._forward[(rows, kv_len)](self.params, s.caches, s.tokens, s.positions)
+        state, out = self._sample[rows](s._replace(caches=caches), logits)
         self._pos[live] += 1
         return state, out
 
@@ -373,23 +387,42 @@ class vEngine:  # noqa: N801 - the seed's name
 
     # ------------------------------------------------------------------ warm-up
     def compile(self, progress: Callable[[str], None] | None = None) -> float:
-        """Compile every prefill bucket, insert and decode bucket by running each once. Returns seconds."""
+        """Compile every program a live request can hit; returns seconds.
+
+        The expensive programs (prefill buckets, forward per (rows, kv_len), sampler per rows) are lowered
+        and compiled in parallel threads (XLA compiles without the GIL); then each program runs once on
+        the real state, so the jit caches hold exactly the signatures live requests use.
+        """
         say = progress or log.info
         t0 = time.perf_counter()
         state = self.init_decode_state()
         row = self.sampling_row(SamplingParams(temperature=0.0, max_tokens=1))
-        for n in self.prefill_lengths:
+        v = self.config.vocab_size
+        logits_sharding = NamedSharding(self.mesh, P()) if self.mesh is not None else self._replicated()
+        jobs = [(f"prefill bucket {n}", self._prefill, (self.params, np.ones(n, np.int32), np.int32(n), row))
+                for n in self.prefill_lengths]
+        jobs += [(f"decode slots={r} kv_len={n}", fn, (self.params, state.caches, state.tokens, state.positions))
+                 for (r, n), fn in self._forward.items()]
+        jobs += [(f"sampler slots={r}", fn, (state, jax.device_put(jnp.zeros((r, v), jnp.float32), logits_sharding)))
+                 for r, fn in self._sample.items()]
+
+        def build(job):
+            name, fn, args = job
             t = time.perf_counter()
-            prefix = self.prefill([1] * n, row)
-            state, first = self.insert(prefix, state, 0)
-            jax.block_until_ready(first)
-            say(f"compiled prefill bucket {n} ({time.perf_counter() - t:.1f}s)")
-        for (rows, n), fn in self._decode.items():
-            t = time.perf_counter()
-            state, out = fn(self.params, state)
-            jax.block_until_ready(out)
-            say(f"compiled decode bucket slots={rows} kv_len={n} ({time.perf_counter() - t:.1f}s)")
+            fn.lower(*args).compile()
+            return f"compiled {name} ({time.perf_counter() - t:.1f}s)"
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for line in pool.map(build, jobs):
+                say(line)
+        for n in self.prefill_lengths:  # warm every program on the real state
+            state, first = self.insert(self.prefill([1] * n, row), state, 0)
+        for (r, _n), fn in self._forward.items():
+            caches, logits = fn(self.params, state.caches, state.tokens, state.positions)
+            state, out = self._sample[r](state._replace(caches=caches), logits)
+        jax.block_until_ready(out)
         self.free_resource(0)
         del state
         self.compiled = True
+        say(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.1f}s")
         return time.perf_counter() - t0
