@@ -61,6 +61,7 @@ class vSurgeRequest:  # noqa: N801 - the seed's name
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    detokenize: bool | None = None  # None: detokenize unless is_client_side_tokenization
 
     @classmethod
     def from_sampling_params(cls, prompt: str | list[int], sampling_params: SamplingParams, **kw) -> vSurgeRequest:

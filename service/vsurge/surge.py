@@ -77,6 +77,59 @@ class vSurge:  # noqa: N801 - the seed's name
         driver = vDriver(engine, engine, interleaved_mode=interleaved_mode, max_queue_size=max_queue_size)
         return cls(driver, vsurge_name)
 
+    @classmethod
+    def create_odriver(
+        cls,
+        model: Any,
+        processor: Any,
+        storage: Any = None,
+        manager: Any = None,
+        page_size: int = 128,
+        hbm_utilization: float = 0.6,
+        max_concurrent_prefill: int | None = None,
+        max_concurrent_decodes: int | None = None,
+        prefill_lengths: Sequence[int] | None = None,
+        max_prefill_length: int | None = None,
+        max_length: int | None = None,
+        seed: int = 894,
+        vsurge_name: str | None = None,
+        mesh: Any = None,
+        kv_cache_bytes: int | None = None,
+        max_queue_size: int = 1024,
+        min_decode_tokens: int = 128,
+    ) -> vSurge:
+        """One paged oEngine driven by an oDriver.
+
+        The KV pages take ``hbm_utilization`` of the free device memory JAX reports, or ``kv_cache_bytes``
+        (required to size it exactly; on CPU, where JAX reports none, a small default applies). Prompts
+        longer than the largest prefill bucket are prefilled in chunks.
+        """
+        from .drivers.odriver import oDriver
+        from .engines.oengine import oEngine
+
+        if isinstance(mesh, str):
+            from .models.sharding import make_mesh
+
+            mesh = make_mesh(mesh)
+        engine = oEngine(
+            model,
+            processor,
+            storage=storage,
+            manager=manager,
+            max_concurrent_decodes=max_concurrent_decodes,
+            max_concurrent_prefill=max_concurrent_prefill,
+            prefill_lengths=prefill_lengths,
+            max_prefill_length=max_prefill_length,
+            max_length=max_length,
+            seed=seed,
+            mesh=mesh,
+            page_size=page_size,
+            hbm_utilization=hbm_utilization,
+            kv_cache_bytes=kv_cache_bytes,
+            min_decode_tokens=min_decode_tokens,
+        )
+        return cls(oDriver(engine, max_queue_size=max_queue_size), vsurge_name)
+
     # ------------------------------------------------------------------ properties
     @property
     def driver(self) -> vDriver:
@@ -100,8 +153,11 @@ class vSurge:  # noqa: N801 - the seed's name
 
     @property
     def max_prompt_length(self) -> int:
-        """Longest prompt accepted: the largest prefill bucket, and room for one generated token."""
-        return min(min(e.max_prefill_length, e.max_length - 1) for e in self._driver.engines)
+        """Longest prompt accepted: the largest prefill bucket (any length for an engine that prefills in
+        chunks), and room for one generated token."""
+        return min(
+            getattr(e, "max_prompt_length", min(e.max_prefill_length, e.max_length - 1)) for e in self._driver.engines
+        )
 
     @property
     def max_concurrent_decodes(self) -> int:
@@ -182,7 +238,7 @@ class vSurge:  # noqa: N801 - the seed's name
             ids,
             params,
             processor=self.processor,
-            detokenize=not request.is_client_side_tokenization,
+            detokenize=(not request.is_client_side_tokenization) if request.detokenize is None else request.detokenize,
             eos_token_ids=self.eos_token_ids,
             metadata=md,
             channel=ReturnChannel(loop),
@@ -196,7 +252,12 @@ class vSurge:  # noqa: N801 - the seed's name
         (PromptTooLongError); QueueFullError when the queue is full; RequestFailedError if the request
         fails inside the engine. Closing the generator cancels the request and frees its slots.
         """
-        active = self._make_active(request, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if isinstance(request.prompt, str) and len(request.prompt) > 16384:
+            # tokenizing a long prompt takes milliseconds: keep it off the loop that feeds every stream
+            active = await asyncio.to_thread(self._make_active, request, loop)
+        else:
+            active = self._make_active(request, loop)
         self._driver.submit_request(active)
         try:
             async for item in active.channel:
@@ -219,7 +280,8 @@ class vSurge:  # noqa: N801 - the seed's name
     ):
         """Run several prompts concurrently.
 
-        stream=False: one aggregated ReturnSample per prompt (a list of n when that prompt's n > 1).
+        stream=False: one aggregated ReturnSample per prompt (a list of n when that prompt's n > 1); a
+        single prompt string gives its result alone, not in a list.
         stream=True: an async generator of list[ReturnSample] items from any request as they arrive.
         """
         single = isinstance(prompts, str)
@@ -236,7 +298,7 @@ class vSurge:  # noqa: N801 - the seed's name
         if stream:
             return self._stream_many(requests)
         results = await asyncio.gather(*(self._collect(r) for r in requests))
-        return results
+        return results[0] if single else results
 
     async def _collect(self, request: vSurgeRequest):
         agg: dict[int, ReturnSample] = {}
