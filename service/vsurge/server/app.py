@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -67,7 +67,6 @@ _DRAIN_CAP_BYTES = 64 * 1024 * 1024
 # Prompts above this many characters are chat-templated off the event loop, so one huge request does not
 # stall every stream.
 _OFFLOAD_CHARS = 65536
-_VSURGE_REQUEST_FIELDS = {f.name for f in fields(vSurgeRequest)}
 
 STARTING, READY, DRAINING, STOPPED = "starting", "ready", "draining", "stopped"
 
@@ -327,10 +326,7 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
         out = []
         for i, prompt in enumerate(plan.prompts):
             ids = isinstance(prompt, list)
-            if ids and plan.sampling.stop and "detokenize" not in _VSURGE_REQUEST_FIELDS:
-                # The driver matches stop strings only on text it detokenizes itself (not for token ids).
-                raise errors.unsupported_field("stop", "stop strings with a token-id prompt")
-            extra = {"detokenize": True} if ids and "detokenize" in _VSURGE_REQUEST_FIELDS else {}
+            extra = {"detokenize": True} if ids else {}  # a completion owes text even for token-id prompts
             md = vSurgeMetadata(id=response_id if len(plan.prompts) == 1 else f"{response_id}-{i}")
             out.append(
                 vSurgeRequest.from_sampling_params(
@@ -428,7 +424,6 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
         await run_until_disconnect(request.receive, collect())
         choices = [c for col in collectors for c in col.choices]
         prompt_tokens = sum(col.prompt_tokens for col in collectors)
-        _fill_text_if_missing(entry, engine_reqs, choices, n)
         sp = plan.sampling
         if plan.operation == "chat":
             obj = chat_response(
@@ -495,12 +490,10 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
             await events.aclose()
             raise
         finish_reasons: dict[int, str] = {}
-        fallback = _TextFallback(entry, engine_reqs)
         route = request.url.path
 
         def frames(item: tuple[int, list[Any]]) -> bytes:
             i, samples = item
-            fallback.fill(i, samples)
             for s in samples:
                 if s.finish_reason is not None:
                     finish_reasons[i * n + s.index] = s.finish_reason
@@ -710,44 +703,6 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
             ssl_certfile=ssl_certfile,
             **kw,
         )
-
-
-class _TextFallback:
-    """Text for token-id prompts while vSurgeRequest cannot ask the driver to detokenize them.
-
-    The driver skips detokenization for client-side tokenization; a completion still owes the client text,
-    so decode the ids here (whole-sequence decode, holding back a trailing partial UTF-8 character).
-    """
-
-    def __init__(self, entry: ServedModel, reqs: list[vSurgeRequest]) -> None:
-        self.active = entry.processor is not None and "detokenize" not in _VSURGE_REQUEST_FIELDS
-        self.processor = entry.processor
-        self.wanted = [isinstance(r.prompt, list) for r in reqs]
-        self.ids: dict[tuple[int, int], list[int]] = {}
-        self.sent: dict[tuple[int, int], int] = {}
-
-    def fill(self, i: int, samples: list[Any]) -> None:
-        if not self.active or not self.wanted[i]:
-            return
-        for s in samples:
-            key = (i, s.index)
-            ids = self.ids.setdefault(key, [])
-            ids.extend(s.token_ids)
-            text = self.processor.decode(ids, skip_special_tokens=True)
-            if s.finish_reason is None and text.endswith("\ufffd"):
-                text = text[:-1]
-            start = self.sent.get(key, 0)
-            s.text = text[start:]
-            self.sent[key] = max(start, len(text))
-
-
-def _fill_text_if_missing(entry: ServedModel, reqs: list[vSurgeRequest], choices: list[Any], n: int) -> None:
-    """Non-streaming side of _TextFallback: decode the collected ids of token-id prompts."""
-    if entry.processor is None or "detokenize" in _VSURGE_REQUEST_FIELDS:
-        return
-    for c in choices:
-        if isinstance(reqs[c.index // n].prompt, list) and not c.text and c.token_ids:
-            c.text_parts = [entry.processor.decode(c.token_ids, skip_special_tokens=True)]
 
 
 def _decode(entry: ServedModel, ids: list[int]) -> str:
