@@ -496,4 +496,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vsurge.cli import main as _main  # plugins register into vsurge.cli, not this __main__ copy
+
+    sys.exit(_main())

@@ -1,0 +1,148 @@
+"""The endpoint table: which upstream URLs serve which model, as the discovery sources report it.
+
+Each source (the static file, one Kubernetes watch per namespace) publishes `Backend`s under its own
+`group` and replaces them wholesale on a relist, so a source never erases another one's entries. Several
+backends may serve one served name (the same `servedName` in two namespaces, or a static entry and an
+InferenceModel): their upstreams are pooled as replicas of one model.
+
+The table lives on the event loop; threads (the Kubernetes watch) hand it updates through
+`loop.call_soon_threadsafe`. Every change sets an `asyncio.Event`, which is what requests held for a
+model that is waking up wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+
+class UpstreamURLError(ValueError):
+    """An upstream URL that the router cannot use; the message says why."""
+
+
+def normalize_upstream(url: str) -> str:
+    """`http(s)://host[:port][/prefix]` without a trailing slash or `/v1`: the router appends the route.
+
+    A trailing `/v1` is dropped because both forms are common (`--base-url .../v1` for the openai client,
+    `http://name.ns.svc:11556` in an InferenceModel's status); the routes include `/v1` themselves.
+    """
+    text = str(url).strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UpstreamURLError(f"{url!r} is not an http(s) URL with a host (e.g. http://10.0.0.7:11556)")
+    if parts.query or parts.fragment:
+        raise UpstreamURLError(f"{url!r} must not have a query or fragment")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+@dataclass(frozen=True)
+class WakeTarget:
+    """The InferenceModel whose scale subresource wakes a model at zero replicas."""
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One source's view of one served model.
+
+    `upstreams` are the ready upstream base URLs (empty: none ready). `wake` is set for InferenceModels,
+    which the router can scale; `desired_replicas` is their `spec.replicas` (None: not set).
+    """
+
+    model: str
+    upstreams: tuple[str, ...]
+    key: str
+    group: str
+    wake: WakeTarget | None = None
+    desired_replicas: int | None = None
+    created: int = 0
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """Everything the table knows about one served name."""
+
+    name: str
+    backends: tuple[Backend, ...]
+
+    @property
+    def upstreams(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for b in self.backends:
+            for u in b.upstreams:
+                seen.setdefault(u, None)
+        return tuple(seen)
+
+    @property
+    def created(self) -> int:
+        return min((b.created for b in self.backends), default=0)
+
+
+class EndpointTable:
+    """Backends by key, grouped by source; lookups by served model name."""
+
+    def __init__(self) -> None:
+        self._backends: dict[str, Backend] = {}
+        self._expected: set[str] = set()
+        self._synced: set[str] = set()
+        self._changed = asyncio.Event()
+        self.version = 0
+
+    # -- sources
+
+    def expect(self, group: str) -> None:
+        """Declare a source: the table is `synced` once every declared source has published once."""
+        self._expected.add(group)
+
+    def replace_group(self, group: str, backends: Iterable[Backend]) -> None:
+        """Everything `group` publishes now (a full list): entries it no longer lists are dropped."""
+        for key in [k for k, b in self._backends.items() if b.group == group]:
+            del self._backends[key]
+        for b in backends:
+            self._backends[b.key] = b
+        self._synced.add(group)
+        self._notify()
+
+    def upsert(self, backend: Backend) -> None:
+        if self._backends.get(backend.key) == backend:
+            return
+        self._backends[backend.key] = backend
+        self._notify()
+
+    def remove(self, key: str) -> None:
+        if self._backends.pop(key, None) is not None:
+            self._notify()
+
+    @property
+    def synced(self) -> bool:
+        return self._expected <= self._synced
+
+    # -- readers
+
+    def lookup(self, model: str) -> ModelView | None:
+        backends = tuple(sorted((b for b in self._backends.values() if b.model == model), key=lambda b: b.key))
+        return ModelView(model, backends) if backends else None
+
+    def models(self) -> list[ModelView]:
+        names = sorted({b.model for b in self._backends.values()})
+        return [v for v in (self.lookup(n) for n in names) if v is not None]
+
+    def changed_event(self) -> asyncio.Event:
+        """An event set at the next change; take it *before* reading the table to miss nothing."""
+        return self._changed
+
+    def _notify(self) -> None:
+        # Replace-then-set: waiters hold the old event, which is set once; new readers get a fresh one.
+        self.version += 1
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()

@@ -1,0 +1,295 @@
+"""Helpers of the router suite: fake upstreams, threaded uvicorn servers, KMock objects, metrics.
+
+Everything listens on 127.0.0.1. Upstreams and in-process routers are real uvicorn servers, each on its
+own thread and event loop, so requests cross real sockets (streaming, refused connections and
+disconnects behave as in production). The KMock pieces come from the operator suite's harness, which
+already covers KMock 0.8's gaps (uid/resourceVersion stamping, declared resources including
+inferencemodels with their scale subresource, namespaces, the /api/v1/namespaces path parser).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+REPO = Path(__file__).resolve().parents[2]
+for extra in (REPO / "tests" / "operator", REPO / "tests" / "service", REPO / "operator"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+# ------------------------------------------------------------------------------------------ uvicorn
+
+
+class ThreadedServer:
+    """A uvicorn server on 127.0.0.1 in a daemon thread (own event loop); `stop()` closes it."""
+
+    def __init__(self, app: Any, port: int = 0, *, as_router: bool = False) -> None:
+        # A router runs as `vsurge route` runs it: no Server header, and no proxy_headers (the router
+        # appends the peer to X-Forwarded-For itself).
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+            proxy_headers=not as_router, server_header=not as_router,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.port = 0
+
+    def start(self, timeout: float = 15.0) -> ThreadedServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), timeout, what="uvicorn start")
+        if not self.server.started:
+            raise RuntimeError("uvicorn did not start (see the log above)")
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+# ------------------------------------------------------------------------------------- fake upstream
+
+
+@dataclass
+class FakeUpstream:
+    """A stand-in for `vsurge serve`: OpenAI-shaped answers that say which upstream gave them.
+
+    Knobs the tests turn: `status` (answer every request with it, e.g. 503 while "draining"), `gate` (a
+    stream sends its first event, then waits for the gate before the rest; a non-streamed answer waits
+    for it before answering). It records every request, how many are open now, and how many ended
+    because the client (the router) went away.
+    """
+
+    name: str
+    status: int = 200
+    gate: threading.Event | None = None
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    open: int = 0
+    cancelled: int = 0
+    server: ThreadedServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    async def _wait_gate(self, request: Request | None = None) -> None:
+        while self.gate is not None and not self.gate.is_set():
+            # A plain handler is not cancelled when its client leaves; ask, as the vSurge server does.
+            if request is not None and await request.is_disconnected():
+                raise asyncio.CancelledError
+            await asyncio.sleep(0.01)
+
+    async def handle(self, request: Request) -> Response:
+        body = await request.body()
+        payload = json.loads(body) if body else {}
+        self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": payload,
+                              "query": request.url.query})
+        if self.status != 200:
+            return JSONResponse({"error": {"message": f"{self.name} says {self.status}", "type": "server_error",
+                                           "param": None, "code": None}}, self.status, headers={"Retry-After": "1"})
+        model = payload.get("model")
+        if request.url.path == "/v1/chat/completions" and payload.get("stream"):
+            return StreamingResponse(self._stream(model), media_type="text/event-stream",
+                                     headers={"x-upstream": self.name})
+        self.open += 1
+        try:
+            await self._wait_gate(request)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.open -= 1
+        if request.url.path == "/v1/chat/completions":
+            return JSONResponse({
+                "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": model,
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": f"hello from {self.name}"}}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+            }, headers={"x-upstream": self.name})
+        return JSONResponse({"upstream": self.name, "path": request.url.path, "model": model},
+                            headers={"x-upstream": self.name})
+
+    async def _stream(self, model: str) -> AsyncIterator[bytes]:
+        def event(content: str, finish: str | None = None) -> bytes:
+            chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": model,
+                     "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]}
+            return f"data: {json.dumps(chunk)}\n\n".encode()
+
+        self.open += 1
+        try:
+            yield event(f"first from {self.name}")
+            await self._wait_gate()
+            yield event(" second", "stop")
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled += 1
+            raise
+        finally:
+            self.open -= 1
+
+    def app(self) -> Starlette:
+        paths = ["/v1/chat/completions", "/v1/completions", "/v1/count_tokens", "/tokenize", "/detokenize"]
+        return Starlette(routes=[Route(p, self.handle, methods=["POST"]) for p in paths])
+
+
+# ---------------------------------------------------------------------------------- in-process router
+
+
+@dataclass
+class RunningRouter:
+    server: ThreadedServer
+    app: Any
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=5).text
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (0.0 when absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            return float(value)
+    return 0.0
+
+
+def kube_api_client(cluster: Any) -> Any:
+    """An ApiClient for the router pointed at KMock (what a kubeconfig would give it)."""
+    import kubernetes
+
+    configuration = kubernetes.client.Configuration()
+    configuration.host = cluster.url
+    return kubernetes.client.ApiClient(configuration)
+
+
+def inference_model(name: str, namespace: str = "models", *, replicas: int | None = 1, served: str | None = None,
+                    ready: int = 0, endpoint: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": {"source": "default"}, "image": "ghcr.io/vsurge-stack/vsurge-service:test"}
+    if replicas is not None:
+        spec["replicas"] = replicas
+    if served:
+        spec["model"]["servedName"] = served
+    obj: dict[str, Any] = {"apiVersion": "vsurge.io/v1alpha1", "kind": "InferenceModel",
+                           "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+    if ready or endpoint:
+        obj["status"] = {"readyReplicas": ready, "endpoint": endpoint}
+    return obj
+
+
+# ------------------------------------------------------------------------------------- subprocesses
+
+
+def vsurge_command() -> list[str]:
+    """The installed `vsurge` console script (what users run), else the same entry point through Python."""
+    script = Path(sys.executable).parent / "vsurge"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without settings that would steer a child elsewhere (cluster, tracing)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_", "KUBECONFIG"))}
+    env.update(extra)
+    return env
+
+
+class Process:
+    """A child process logged to a file, stopped with SIGTERM (then SIGKILL) by `stop()`."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Process:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.args, env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_http(self, url: str, timeout: float) -> None:
+        """Until GET `url` answers 200; fails early, with the log, if the process dies."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.args[:3]} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{url} not ready in {timeout}s:\n{self.log()}")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-20000:]
+        except OSError:
+            return ""
