@@ -352,6 +352,18 @@ def build_surge(cfg: ServeConfig, model: Any, processor: Any, mesh: Any = None) 
     return vSurge.create_vdriver(model, processor, **common)
 
 
+def _enable_compilation_cache() -> None:
+    """Keep compiled programs on disk (next to the model cache): a restart skips most of the compile."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return  # the user chose one
+    import jax
+
+    from vsurge.models.default_model import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def run_serve(cfg: ServeConfig) -> int:
     from vsurge.server import vSurgeApiServer
     from vsurge.server.runner import serve
@@ -364,6 +376,8 @@ def run_serve(cfg: ServeConfig) -> int:
         say(f"loading model {cfg.model}")
         t0 = time.perf_counter()
         import vsurge
+
+        _enable_compilation_cache()
 
         mesh = None
         if cfg.mesh:
