@@ -6,6 +6,7 @@
 Output tokens/s for each concurrency:
   raw     a jitted decode step of the same model at the same batch, called in a Python loop with no
           sampling, no host reads and no scheduling: the limit of this machine for our model code;
+  raw+prefill  the same, plus one batched prefill of all the prompts (work vSurge cannot skip);
   vsurge  requests submitted together to vSurge (prefill, on-device sampling, detokenization included);
   hf      transformers `generate` (PyTorch, CPU, greedy) on the same weights and batch.
 Mixed workload: 64 requests, prompts 32-512 tokens, outputs 16-256 tokens, at most 32 in flight; transformers
@@ -111,6 +112,23 @@ def raw_decode_loop(model, batch: int, prompt_len: int, steps: int) -> float:
     return batch * (steps - 1) / (time.perf_counter() - t0)
 
 
+def raw_prefill_seconds(model, batch: int, prompt_len: int) -> float:
+    """Seconds of one jitted prefill of the whole batch at once (the work raw decode leaves out)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from vsurge.models.reference import _forward_all
+
+    graphdef, params = nnx.split(model)
+    tokens = jnp.ones((batch, prompt_len), jnp.int32)
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    jax_out = _forward_all(graphdef, params, tokens, lengths)  # compile
+    jax_out[0].block_until_ready()
+    t0 = time.perf_counter()
+    _forward_all(graphdef, params, tokens, lengths)[0].block_until_ready()
+    return time.perf_counter() - t0
+
+
 def hf_model(gguf_path: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -149,7 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--max-length", type=int, default=1024)
-    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[32, 64, 128, 256, 512])
+    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[32, 48, 64, 96, 128, 192, 256, 384, 512])
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--driver", choices=["vdriver", "odriver"], nargs="+", default=["vdriver"])
     ap.add_argument("--skip-hf", action="store_true")
@@ -173,11 +191,15 @@ def main(argv=None) -> int:
     hf = hf_model(src) if not args.skip_hf and src.endswith(".gguf") else None
     surges = {d: build_surge(model, tok, args, d) for d in args.driver}
 
-    print(f"{'batch':>5} {'raw tok/s':>10} " + " ".join(f"{d + ' tok/s':>14}" for d in surges) + f" {'hf tok/s':>10}")
+    print(f"{'batch':>5} {'raw tok/s':>10} {'raw+prefill':>12} " + " ".join(f"{d + ' tok/s':>14}" for d in surges)
+          + f" {'hf tok/s':>10}")
     for b in args.batches:
         prompts = [list(rng.randint(100, vocab, size=args.prompt_tokens)) for _ in range(b)]
         outs = [args.output_tokens] * b
         row = {"raw": raw_decode_loop(model, b, args.prompt_tokens, args.output_tokens)}
+        # the same decode rate plus one batched prefill of the prompts: what vSurge must also do
+        decode_s = b * args.output_tokens / row["raw"]
+        row["raw+prefill"] = b * args.output_tokens / (decode_s + raw_prefill_seconds(model, b, args.prompt_tokens))
         for d, s in surges.items():
             secs, toks, _ = run_requests(s, prompts, outs, b)
             row[d] = toks / secs
@@ -185,11 +207,12 @@ def main(argv=None) -> int:
             secs, toks = hf_generate(hf, prompts, outs, b)
             row["hf"] = toks / secs
         results["concurrency"][b] = row
-        print(f"{b:>5} {row['raw']:>10.1f} " + " ".join(f"{row[d]:>14.1f}" for d in surges)
+        print(f"{b:>5} {row['raw']:>10.1f} {row['raw+prefill']:>12.1f} " + " ".join(f"{row[d]:>14.1f}" for d in surges)
               + f" {row.get('hf', float('nan')):>10.1f}", flush=True)
 
     if not args.skip_mixed:
         n = 64
+        rng = np.random.RandomState(1)  # the same workload whatever --batches ran before
         prompts = [list(rng.randint(100, vocab, size=k)) for k in rng.randint(32, 513, size=n)]
         outs = list(rng.randint(16, 257, size=n))
         mixed = {}
