@@ -805,7 +805,15 @@ def test_components_can_be_switched_off(chart: helm_python.Chart) -> None:
 
 # ------------------------------------------------------------------------------------------ the README
 
-README = CHART_DIR.parent / "README-helm.md"
+README = CHART_DIR.parent.parent / "README.md"
+
+
+def _values_section() -> str:
+    """The chart's values table: README.md from '#### Values' to the next heading of its level or above."""
+    text = README.read_text()
+    start = text.index("\n", text.index("#### Values"))
+    end = re.search(r"^#{1,4} ", text[start:], flags=re.MULTILINE)
+    return text[start : start + end.start()] if end else text[start:]
 
 
 def _leaf_paths(values: Any, prefix: str = "") -> list[str]:
@@ -815,8 +823,8 @@ def _leaf_paths(values: Any, prefix: str = "") -> list[str]:
 
 
 def test_readme_values_table_matches_values_yaml() -> None:
-    rows = re.findall(r"^\| `([^`]+)` \|", README.read_text(), flags=re.MULTILINE)
-    assert rows, "no values table in helm/README-helm.md"
+    rows = re.findall(r"^\| `([^`]+)` \|", _values_section(), flags=re.MULTILINE)
+    assert rows, "no values table in README.md"
     assert len(rows) == len(set(rows)), "a key is listed twice"
     leaves = _leaf_paths(DEFAULT_VALUES)
     for leaf in leaves:
