@@ -97,6 +97,7 @@ class vSurge:  # noqa: N801 - the seed's name
         kv_cache_bytes: int | None = None,
         max_queue_size: int = 1024,
         min_decode_tokens: int = 128,
+        enable_prefix_caching: bool = True,
     ) -> vSurge:
         """One paged oEngine driven by an oDriver.
 
@@ -127,6 +128,7 @@ class vSurge:  # noqa: N801 - the seed's name
             hbm_utilization=hbm_utilization,
             kv_cache_bytes=kv_cache_bytes,
             min_decode_tokens=min_decode_tokens,
+            enable_prefix_caching=enable_prefix_caching,
         )
         return cls(oDriver(engine, max_queue_size=max_queue_size), vsurge_name)
 

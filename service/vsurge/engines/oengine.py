@@ -1,0 +1,381 @@
+"""oEngine: the model over a paged KV cache (PagedAttentionCache + HBMPageManager).
+
+Jitted programs, each taking the pages (or the whole decode state) donated so they update in place:
+
+* prefill: one sequence's chunk of up to T tokens (T a prefill bucket) at absolute positions, written into
+  its pages and attending to every page before it (a cached prefix, earlier chunks); then ``seat`` samples
+  the token after the chunk and puts the sequence in its decode slot (only the final chunk's token is
+  used; seating after every chunk keeps one program for all);
+* decode, as in vEngine: a forward over the first ``rows`` slots, then the sampler per row count.
+
+Programs read only the first ``num_pages`` columns of a page table, ``num_pages`` from a few static buckets;
+every (chunk bucket, page bucket) pair that can occur and every (rows, page bucket) of decode is compiled
+in ``compile()``. Which pages a sequence gets, and when, is decided on the host (page_scheduler.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
+from ..models.sharding import place_params
+from ..sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from .paging import HBMPageManager, PagedAttentionCache
+from .sampling import (
+    DEFAULT_MAX_STOP_IDS,
+    SampleResult,
+    SlotSampling,
+    make_slot_sampling,
+    sample,
+    set_slot,
+)
+from .vengine import (
+    _constrain,
+    _sample_impl,
+    _sampling_context,
+    decode_buckets,
+    default_prefill_lengths,
+    row_buckets,
+    vEngine,
+)
+
+log = logging.getLogger(__name__)
+
+
+class PagedState(NamedTuple):
+    pages: tuple  # per layer (K, V) [num_pages + 1, page_size, kv_heads, head_dim] (see PagedAttentionCache)
+    tokens: jax.Array  # i32[S] the token each slot feeds to its next decode step
+    positions: jax.Array  # i32[S] where that token goes
+    steps: jax.Array  # i32[S] the sampler's per-request step counter
+    counts: jax.Array  # i32[S, V] generated-token counts (penalties)
+    prompt_mask: jax.Array  # bool[S, V]
+    sampling: SlotSampling
+
+
+class SeqInputs(NamedTuple):
+    """What sampling a sequence's first token needs; prepared on the device off the generate thread."""
+
+    sampling: SlotSampling  # one row, carrying the sample's key
+    prompt_mask: jax.Array  # bool[V]: tokens of the original prompt
+    counts: jax.Array  # i32[V]: tokens generated before a preemption (zeros for a new request)
+    step: jax.Array  # i32[]: the sampler step of the token sampled after this prefill
+
+
+def page_buckets(max_length: int, page_size: int, smallest_tokens: int = 128) -> list[int]:
+    """How many page-table columns a step may read: the pages of vEngine's kv_len buckets."""
+    return sorted({-(-n // page_size) for n in decode_buckets(max_length, smallest_tokens)})
+
+
+def _prefill_impl(graphdef, params, pages, tokens, start, length, row, *, page_size: int, num_pages: int):
+    """One chunk into its pages; returns the pages and the logits at the chunk's last valid token."""
+    model = nnx.merge(graphdef, params)
+    t = tokens.shape[0]
+    positions = (start + jnp.arange(t, dtype=jnp.int32))[None]
+    backend = PagedPrefillAttention(page_size, num_pages, window=model.config.sliding_window)
+    hidden, pages = model(tokens[None], positions, backend, pages, (positions, length, row))
+    last = jax.lax.dynamic_index_in_dim(hidden[0], length - start - 1, keepdims=False)
+    return tuple(pages), model.compute_logits(last)
+
+
+def _seat_impl(state: PagedState, logits, slot, length, inputs: SeqInputs, *, num_top: int, shardings):
+    """Sample the token after a chunk and seat the sequence in its slot (one shape for every chunk)."""
+    with _sampling_context(shardings):
+        first = sample(logits[None], inputs.sampling, inputs.counts[None], inputs.prompt_mask[None],
+                       inputs.step[None], num_top)
+    new = state._replace(
+        tokens=state.tokens.at[slot].set(first.tokens[0]),
+        positions=state.positions.at[slot].set(length),
+        steps=state.steps.at[slot].set(inputs.step + 1),
+        counts=state.counts.at[slot].set(inputs.counts.at[first.tokens[0]].add(1)),
+        prompt_mask=state.prompt_mask.at[slot].set(inputs.prompt_mask),
+        sampling=set_slot(state.sampling, slot, inputs.sampling),
+    )
+    return _constrain(new, shardings), first
+
+
+def _forward_impl(graphdef, params, pages, tokens, positions, table, *, rows: int, page_size: int, num_pages: int,
+                  logits_sharding):
+    """The model over the first ``rows`` slots reading ``num_pages`` page columns (cf. vEngine's forward)."""
+    model = nnx.merge(graphdef, params)
+    backend = PagedDecodeAttention(page_size, num_pages, window=model.config.sliding_window)
+    pos = positions[:rows]
+    hidden, pages = model(tokens[:rows, None], pos[:, None], backend, pages, (pos, table[:rows]))
+    logits = model.compute_logits(hidden[:, 0])
+    if logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    return tuple(pages), logits
+
+
+class oEngine:  # noqa: N801 - the seed's name
+    """Paged-cache engine: chunked prefill into pages, decode over page tables."""
+
+    # the tokenizer-facing properties are the dense engine's, unchanged
+    processor = vEngine.processor
+    model_name = vEngine.model_name
+    eos_token_ids = vEngine.eos_token_ids
+    pad_token_id = vEngine.pad_token_id
+    colocated_cpus = vEngine.colocated_cpus
+    bucket_for = vEngine.bucket_for
+    _replicated = vEngine._replicated
+    _device = vEngine._device
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        storage: PagedAttentionCache | None = None,
+        manager: HBMPageManager | None = None,
+        max_concurrent_decodes: int | None = None,
+        max_concurrent_prefill: int | None = None,
+        prefill_lengths: Sequence[int] | None = None,
+        max_prefill_length: int | None = None,
+        max_length: int | None = None,
+        batch_size: int | None = None,
+        seed: int = 894,
+        *,
+        mesh: Mesh | None = None,
+        page_size: int = 128,
+        hbm_utilization: float = 0.6,
+        kv_cache_bytes: int | None = None,
+        min_decode_tokens: int = 128,
+        num_top_logprobs: int = MAX_TOP_LOGPROBS,
+        enable_prefix_caching: bool = True,
+    ):
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self._processor = processor
+        self.mesh = mesh
+        self.max_concurrent_decodes = int(max_concurrent_decodes or 16)
+        self.max_concurrent_prefill = int(max_concurrent_prefill or 1)
+        self.max_length = int(max_length or min(cfg.max_position_embeddings, 2048))
+        lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
+        # the largest chunk; longer prompts are prefilled in several chunks
+        self.max_prefill_length = int(max_prefill_length or (lengths[-1] if lengths else min(512, self.max_length)))
+        if self.max_prefill_length > self.max_length:
+            raise ValueError(f"max_prefill_length {self.max_prefill_length} exceeds max_length {self.max_length}")
+        self.prefill_lengths = [
+            n for n in (lengths or default_prefill_lengths(self.max_prefill_length)) if n <= self.max_prefill_length
+        ]
+        if not self.prefill_lengths or self.prefill_lengths[-1] != self.max_prefill_length:
+            self.prefill_lengths.append(self.max_prefill_length)
+        self.batch_size = batch_size
+        self.samples_per_slot = 1
+        self.num_top_logprobs = num_top_logprobs
+        self.prng_key = jax.random.PRNGKey(seed)
+
+        self.graphdef, params = nnx.split(model)
+        self.params = place_params(params, cfg, mesh) if mesh is not None else params
+        if storage is None:
+            storage = PagedAttentionCache.create(
+                cfg, page_size, hbm_utilization, kv_cache_bytes, dtype=model.dtype, mesh=mesh,
+                device=None if mesh is not None else self._device(),
+            )
+        self.storage = storage
+        self.manager = manager or HBMPageManager.for_cache(storage, prefix_caching=enable_prefix_caching)
+        if self.manager.page_size != storage.page_size or self.manager.num_pages > storage.num_pages:
+            raise ValueError("the page manager does not match the cache (page size or page count)")
+        self.page_size = storage.page_size
+        self.table_width = -(-self.max_length // self.page_size)
+        self.page_buckets = page_buckets(self.max_length, self.page_size, min_decode_tokens)
+        self._state_shardings = self._make_state_shardings()
+        shardings = self._state_shardings
+        ps = self.page_size
+        # the model programs are per shape; the sampler is compiled once per row count (it dominates
+        # compile time), and seating a sequence once in all
+        self._prefill = {
+            n: jax.jit(partial(_prefill_impl, self.graphdef, page_size=ps, num_pages=n), donate_argnums=(1,))
+            for n in self.page_buckets
+        }
+        self._seat = jax.jit(partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings), donate_argnums=(0,))
+        self.decode_rows = row_buckets(self.max_concurrent_decodes)
+        logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
+        self._forward = {
+            (rows, n): jax.jit(
+                partial(_forward_impl, self.graphdef, rows=rows, page_size=ps, num_pages=n,
+                        logits_sharding=logits_sharding),
+                donate_argnums=(1,),
+            )
+            for rows in self.decode_rows
+            for n in self.page_buckets
+        }
+        self._sample = {
+            rows: jax.jit(partial(_sample_impl, rows=rows, num_top=num_top_logprobs, shardings=shardings),
+                          donate_argnums=(0,))
+            for rows in self.decode_rows
+        }
+        self._zeros_v: jax.Array | None = None
+        self._spare: PagedState | None = None
+        self.compiled = False
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def max_prompt_length(self) -> int:
+        """Prompts are chunked, so any prompt that leaves room for one generated token is accepted."""
+        return self.max_length - 1
+
+    def pages_bucket(self, num_tokens: int) -> int:
+        """The smallest page bucket covering positions [0, num_tokens)."""
+        need = -(-num_tokens // self.page_size)
+        return next((n for n in self.page_buckets if n >= need), self.page_buckets[-1])
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (chunk bucket, page bucket) a chunk can hit: a chunk of bucket T holds more than the
+        previous bucket's tokens, so it needs at least that many positions."""
+        out, prev = [], 0
+        for t in self.prefill_lengths:
+            least = self.pages_bucket(prev + 1)
+            out += [(t, n) for n in self.page_buckets if n >= least]
+            prev = t
+        return out
+
+    # ------------------------------------------------------------------ state
+    def _make_state_shardings(self) -> PagedState | None:
+        if self.mesh is None:
+            return None
+        rep = NamedSharding(self.mesh, P())
+        return PagedState(
+            pages=self.storage.layer_shardings(),
+            tokens=rep,
+            positions=rep,
+            steps=rep,
+            counts=rep,
+            prompt_mask=rep,
+            sampling=SlotSampling(*([rep] * len(SlotSampling._fields))),
+        )
+
+    def get_state_shardings(self, is_decode: bool = False):
+        return self._state_shardings
+
+    def init_decode_state(self, *args, **kwargs) -> PagedState:
+        """The decode state with zeroed pages (the one compile() warmed up, if it is still unused)."""
+        if self._spare is not None:
+            state, self._spare = self._spare, None
+            return state
+        s, v = self.max_concurrent_decodes, self.config.vocab_size
+        put = partial(jax.device_put, device=self._replicated())
+        sampling = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
+        return PagedState(
+            pages=self.storage.allocate(),
+            tokens=put(np.zeros(s, np.int32)),
+            positions=put(np.zeros(s, np.int32)),
+            steps=put(np.zeros(s, np.int32)),
+            counts=put(np.zeros((s, v), np.int32)),
+            prompt_mask=put(np.zeros((s, v), bool)),
+            sampling=jax.tree.map(put, sampling),
+        )
+
+    def seq_inputs(
+        self,
+        params: SamplingParams,
+        stop_ids: Sequence[int],
+        key: np.ndarray,
+        prompt_ids: Sequence[int],
+        generated_ids: Sequence[int] = (),
+    ) -> SeqInputs:
+        """Device inputs for sampling a sequence's next token after its prefill (or recompute)."""
+        v = self.config.vocab_size
+        put = partial(jax.device_put, device=self._replicated())
+        row = make_slot_sampling([params], keys=[key], stop_ids=[list(stop_ids)[:DEFAULT_MAX_STOP_IDS]])
+        mask = np.zeros(v, bool)
+        mask[np.asarray(prompt_ids, np.int64)] = True
+        if generated_ids:
+            counts = put(np.bincount(np.asarray(generated_ids, np.int64), minlength=v).astype(np.int32))
+        else:
+            if self._zeros_v is None:  # shared by every new request: no per-request upload of V zeros
+                self._zeros_v = put(np.zeros(v, np.int32))
+            counts = self._zeros_v
+        return SeqInputs(jax.tree.map(put, row), put(mask), counts, put(np.int32(len(generated_ids))))
+
+    # ------------------------------------------------------------------ steps
+    def prefill_chunk(
+        self,
+        state: PagedState,
+        inputs: SeqInputs,
+        tokens: np.ndarray,
+        start: int,
+        length: int,
+        row: np.ndarray,
+        slot: int,
+    ) -> tuple[PagedState, SampleResult]:
+        """Prefill tokens[start:start+length] into the pages of ``row`` and seat the sequence in ``slot``.
+
+        Returns the state and the token sampled after the chunk (meaningful for the final chunk).
+        """
+        bucket = self.bucket_for(length)
+        padded = np.full(bucket, self.pad_token_id, np.int32)
+        padded[:length] = tokens[start : start + length]
+        end = np.int32(start + length)
+        fn = self._prefill[self.pages_bucket(start + length)]
+        pages, logits = fn(self.params, state.pages, padded, np.int32(start), end, row)
+        return self._seat(state._replace(pages=pages), logits, np.int32(slot), end, inputs)
+
+    def decode(self, state: PagedState, table: jax.Array | np.ndarray, num_rows: int, num_tokens: int):
+        """One token for each of the first ``num_rows`` slots (slots are handed out lowest first), reading
+        the page columns that cover ``num_tokens`` positions. Results have one row per decoded slot."""
+        rows = next((r for r in self.decode_rows if r >= num_rows), self.max_concurrent_decodes)
+        fn = self._forward[(rows, self.pages_bucket(num_tokens))]
+        pages, logits = fn(self.params, state.pages, state.tokens, state.positions, table)
+        return self._sample[rows](state._replace(pages=pages), logits)
+
+    # ------------------------------------------------------------------ warm-up
+    def compile(self, progress: Callable[[str], None] | None = None) -> float:
+        """Compile every program a live request can hit; returns seconds.
+
+        As in vEngine: the programs are lowered and compiled in parallel threads, then each runs once on
+        the real state (page tables all scratch, so nothing real is written). That state is kept for the
+        driver, so the cache is never allocated twice.
+        """
+        say = progress or log.info
+        t0 = time.perf_counter()
+        state = self.init_decode_state()
+        inputs = self.seq_inputs(SamplingParams(temperature=0.0, max_tokens=1), [], np.zeros(2, np.uint32), [0])
+        row = np.zeros(self.table_width, np.int32)
+        v = self.config.vocab_size
+        rep = self._replicated()
+        # committed to the device like the driver's table: jit keys on that, and a miss is a compile
+        table = jax.device_put(np.zeros((self.max_concurrent_decodes, self.table_width), np.int32), rep)
+        zero, logits = np.int32(0), jax.device_put(jnp.zeros((v,), jnp.float32), rep)
+        jobs = [(f"prefill chunk {t} x {n} pages", self._prefill[n],
+                 (self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row))
+                for t, n in self.prefill_shapes()]
+        jobs.append(("seat", self._seat, (state, logits, zero, zero, inputs)))
+        jobs += [(f"decode slots={r} x {n} pages", fn, (self.params, state.pages, state.tokens, state.positions, table))
+                 for (r, n), fn in self._forward.items()]
+        jobs += [(f"sampler slots={r}", fn, (state, jax.device_put(jnp.zeros((r, v), jnp.float32), rep)))
+                 for r, fn in self._sample.items()]
+
+        def build(job):
+            name, fn, args = job
+            tic = time.perf_counter()
+            fn.lower(*args).compile()
+            return f"compiled {name} ({time.perf_counter() - tic:.1f}s)"
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for line in pool.map(build, jobs):
+                say(line)
+        for t, n in self.prefill_shapes():  # warm every program on the real state
+            pages, logits = self._prefill[n](self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row)
+            state = state._replace(pages=pages)
+        state, first = self._seat(state, logits, zero, np.int32(1), inputs)
+        for (r, _n), fn in self._forward.items():
+            pages, logits = fn(self.params, state.pages, state.tokens, state.positions, table)
+            state, out = self._sample[r](state._replace(pages=pages), logits)
+        jax.block_until_ready((first, out))
+        self._spare = state
+        self.compiled = True
+        say(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.1f}s")
+        return time.perf_counter() - t0

@@ -1,0 +1,224 @@
+"""Attention backends over a paged KV cache (used by oEngine), beside the dense ones in attention.py.
+
+A sequence's pages are listed in a page table row; token position ``p`` lives in page ``row[p // page_size]``
+at offset ``p % page_size``, so the first ``n`` pages of a row, in order, hold positions [0, n * page_size)
+and the dense masks apply unchanged. Page 0 is scratch: padding, idle slots and positions past a row write
+there, and nothing reads it unmasked.
+
+Two layouts of one layer's cache:
+
+* ``split`` (every backend): ``(K, V)``, each ``[num_pages, page_size, kv_heads, head_dim]``;
+* ``combined`` (TPU): one ``[num_pages, page_size, 2 * kv_heads, head_dim]`` with K at the even and V at
+  the odd heads, the layout JAX's Pallas ragged paged attention kernel reads, so decode needs no copy.
+
+New K/V are written into the pages first and read back after (read after write inside one program: the
+caller donates the cache, and nothing is copied). Decode on XLA:CPU/GPU walks the table in blocks of
+about 128 positions with an online softmax: each block's gather stays in cache, where gathering all
+pages at once costs a round trip through memory (measured: ~2% slower than dense decode against ~6%, and
+~45% for the combined layout, whose K/V de-interleave is two more copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30
+SCRATCH_PAGE = 0
+_BLOCK_TOKENS = 128  # positions per step of the decode page walk (measured best of 64..256 on XLA:CPU)
+
+
+def use_pallas() -> bool:
+    """Whether decode runs JAX's Pallas TPU kernel (only on TPU, and only if this jax ships it)."""
+    if jax.default_backend() != "tpu":
+        return False
+    try:
+        from jax.experimental.pallas.ops.tpu import ragged_paged_attention  # noqa: F401
+    except ImportError:  # pragma: no cover - depends on the jax build
+        return False
+    return True
+
+
+def combine_kv(k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
+    """[..., KVH, D] K and V -> [..., 2*KVH, D] interleaved (K even, V odd): the combined layout."""
+    *lead, kvh, d = k.shape
+    return jnp.stack([k, v], axis=-2).reshape(*lead, 2 * kvh, d)
+
+
+def write_kv(cache, k: jnp.ndarray, v: jnp.ndarray, page_ids: jnp.ndarray, offsets: jnp.ndarray):
+    """Scatter k, v [N, KVH, D] to (page_ids[N], offsets[N]); in place when the caller donates ``cache``."""
+    if isinstance(cache, tuple):
+        kc, vc = cache
+        return kc.at[page_ids, offsets].set(k.astype(kc.dtype)), vc.at[page_ids, offsets].set(v.astype(vc.dtype))
+    return cache.at[page_ids, offsets].set(combine_kv(k, v).astype(cache.dtype))
+
+
+def gather_kv(cache, table: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """table [..., NB] page ids -> K, V [..., NB * page_size, KVH, D] (gathered index = position)."""
+
+    def flat(g):
+        *lead, nb, ps, h, d = g.shape
+        return g.reshape(*lead, nb * ps, h, d)
+
+    if isinstance(cache, tuple):
+        return flat(cache[0][table]), flat(cache[1][table])
+    g = flat(cache[table])
+    return g[..., 0::2, :], g[..., 1::2, :]
+
+
+def page_slots(row: jnp.ndarray, positions: jnp.ndarray, page_size: int, valid: jnp.ndarray) -> tuple:
+    """(page id, offset) of positions [N] in page-table rows [N, W] (or one shared row [W]).
+
+    Invalid positions, and positions past the row, go to the scratch page.
+    """
+    idx = positions // page_size
+    valid = valid & (idx < row.shape[-1])
+    idx = jnp.minimum(idx, row.shape[-1] - 1)
+    page = jnp.take_along_axis(row, idx[:, None], axis=1)[:, 0] if row.ndim == 2 else row[idx]
+    return jnp.where(valid, page, SCRATCH_PAGE), positions % page_size
+
+
+def _mask(q_pos: jnp.ndarray, k_pos: jnp.ndarray, window: int | None) -> jnp.ndarray:
+    ok = k_pos <= q_pos
+    if window is not None:
+        ok &= q_pos - k_pos < window
+    return ok
+
+
+def decode_attend(q, ks, vs, positions, window: int | None) -> jnp.ndarray:
+    """q [S, 1, H, D] over dense K, V [S, N, KVH, D] at positions <= positions[S] (broadcast multiply +
+    reduce, the faster form for decode on XLA:CPU; DESIGN.md)."""
+    s, _, h, d = q.shape
+    n, kvh = ks.shape[1], ks.shape[2]
+    qg = q[:, 0].reshape(s, kvh, h // kvh, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+    scores = jnp.sum(qg[:, None] * ks.astype(jnp.float32)[:, :, :, None, :], axis=-1)  # [S, N, KVH, G]
+    ok = _mask(positions[:, None], jnp.arange(n)[None, :], window)
+    scores = jnp.where(ok[:, :, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(probs[..., None] * vs.astype(jnp.float32)[:, :, :, None, :], axis=1)  # [S, KVH, G, D]
+    return out.reshape(s, 1, h, d).astype(q.dtype)
+
+
+def _block_pages(num_pages: int, page_size: int) -> int:
+    """Pages per step of the page walk: the largest divisor of num_pages within _BLOCK_TOKENS positions."""
+    most = max(1, _BLOCK_TOKENS // page_size)
+    return max(b for b in range(1, min(most, num_pages) + 1) if num_pages % b == 0)
+
+
+def decode_over_pages(q, cache, view, positions, page_size: int, window: int | None) -> jnp.ndarray:
+    """q [S, 1, H, D] over the pages in view [S, NB] of a split cache: a walk over blocks of pages with an
+    online softmax, so no gathered copy of the whole context is ever made."""
+    kc, vc = cache
+    s, _, h, d = q.shape
+    kvh = kc.shape[2]
+    g = h // kvh
+    blk = _block_pages(view.shape[1], page_size)
+    n = blk * page_size
+    qg = q[:, 0].reshape(s, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+
+    def body(j, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(view, j * blk, blk, axis=1)
+        ks = kc[ids].reshape(s, n, kvh, d).astype(jnp.float32)
+        vs = vc[ids].reshape(s, n, kvh, d).astype(jnp.float32)
+        scores = jnp.sum(qg[:, None] * ks[:, :, :, None, :], axis=-1)  # [S, n, KVH, G]
+        ok = _mask(positions[:, None], j * n + jnp.arange(n)[None, :], window)[:, :, None, None]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(ok, scores, _NEG), axis=1))
+        p = jnp.where(ok, jnp.exp(scores - m_new[:, None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jnp.sum(p, axis=1)
+        acc = acc * corr[..., None] + jnp.sum(p[..., None] * vs[:, :, :, None, :], axis=1)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((s, kvh, g), _NEG, jnp.float32),
+        jnp.zeros((s, kvh, g), jnp.float32),
+        jnp.zeros((s, kvh, g, d), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, view.shape[1] // blk, body, init)
+    # every row sees position 0 (or its window), so l > 0; idle rows read scratch and are never used
+    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    return out.reshape(s, 1, h, d).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecodeAttention:
+    """One new token per slot; the cache is one layer's pages.
+
+    meta: (positions i32[S] — where each slot's token goes, page_table i32[S, W]). ``num_pages`` (static)
+    is how many table columns are read: the decode bucket, picked by the longest live sequence. Rows of
+    idle slots are all scratch.
+    """
+
+    page_size: int
+    num_pages: int
+    window: int | None = None
+
+    def __call__(self, q, k, v, cache, meta):
+        positions, table = meta
+        page, off = page_slots(table, positions, self.page_size, positions >= 0)
+        cache = write_kv(cache, k[:, 0], v[:, 0], page, off)
+        view = table[:, : self.num_pages]
+        if not isinstance(cache, tuple):
+            if use_pallas():
+                return _pallas(q, cache, positions + 1, view, self.window), cache
+            ks, vs = gather_kv(cache, view)
+            return decode_attend(q, ks, vs, positions, self.window), cache
+        return decode_over_pages(q, cache, view, positions, self.page_size, self.window), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPrefillAttention:
+    """One sequence's chunk of T tokens at absolute positions, attending to every page written before it.
+
+    meta: (positions i32[1, T], length i32[] — tokens valid after this chunk, page_row i32[W]). The chunk's
+    K/V go into the row's pages (padding past ``length`` to scratch); the queries then attend to the first
+    ``num_pages`` pages of the row: a cached prefix, earlier chunks and this chunk alike. Prefill is
+    compute-bound, so one gather of the context is cheap here; it stays on this path on TPU too (the
+    kernel's "queries are the last q_len keys" rule does not hold for a right-padded chunk).
+    """
+
+    page_size: int
+    num_pages: int
+    window: int | None = None
+
+    def __call__(self, q, k, v, cache, meta):
+        positions, length, row = meta
+        pos = positions[0]
+        page, off = page_slots(row, pos, self.page_size, pos < length)
+        cache = write_kv(cache, k[0], v[0], page, off)
+        ks, vs = gather_kv(cache, row[: self.num_pages])  # [N, KVH, D]
+        _, t, h, d = q.shape
+        kvh = ks.shape[1]
+        qg = q[0].reshape(t, kvh, h // kvh, d).astype(jnp.float32)
+        scores = jnp.einsum("tkgd,nkd->kgtn", qg, ks.astype(jnp.float32)) / jnp.sqrt(jnp.float32(d))
+        k_pos = jnp.arange(ks.shape[0])
+        ok = _mask(pos[:, None], k_pos[None, :], self.window) & (k_pos[None, :] < length)
+        scores = jnp.where(ok[None, None], scores, _NEG)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("kgtn,nkd->tkgd", probs, vs.astype(jnp.float32))
+        return out.reshape(1, t, h, d).astype(q.dtype), cache
+
+
+def _pallas(q, pages, kv_lens, table, window):  # pragma: no cover - TPU only
+    """Decode through JAX's ragged paged attention kernel: one query per row, the last of its kv_len keys.
+
+    q [S, 1, H, D]. kv_lens of idle slots are clamped into the table; their output is never read.
+    """
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    s, t, h, d = q.shape
+    kv_lens = jnp.clip(kv_lens, 1, table.shape[1] * pages.shape[1]).astype(jnp.int32)
+    out = ragged_paged_attention(
+        q.reshape(s * t, h, d),
+        pages,
+        kv_lens,
+        table.astype(jnp.int32),
+        jnp.arange(s + 1, dtype=jnp.int32),
+        jnp.array([s], jnp.int32),
+        sm_scale=1.0 / float(d) ** 0.5,
+        sliding_window=window,
+    )
+    return out.reshape(s, t, h, d)
