@@ -66,8 +66,13 @@ def run_requests(surge, prompts, outputs, max_in_flight: int) -> tuple[float, in
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)):
         sem.acquire()
-        req = vSurgeRequest(prompt=list(p), max_tokens=int(n), temperature=0.0, ignore_eos=True,
-                            is_client_side_tokenization=True)
+        req = vSurgeRequest(
+            prompt=list(p),
+            max_tokens=int(n),
+            temperature=0.0,
+            ignore_eos=True,
+            is_client_side_tokenization=True,
+        )
         th = threading.Thread(target=consume, args=(i, surge.submit(req)))
         th.start()
         threads.append(th)
@@ -100,7 +105,9 @@ def raw_decode_loop(model, batch: int, prompt_len: int, steps: int) -> float:
         return tuple(tuple(c) for c in caches), nxt, pos + 1
 
     shape = (batch, kv_len, cfg.num_kv_heads, cfg.head_dim)
-    caches = tuple((jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers))
+    caches = tuple(
+        (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)
+    )
     tokens = jnp.ones((batch,), jnp.int32)
     pos = jnp.full((batch,), prompt_len, jnp.int32)
     caches, tokens, pos = step(params, caches, tokens, pos)  # compile
@@ -153,8 +160,14 @@ def hf_generate(hf, prompts, outputs, batch: int) -> tuple[float, int]:
             mask[i, width - len(p) :] = 1
         n = int(max(ns))
         with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                        pad_token_id=0)
+            hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         useful += int(sum(ns))
     return time.perf_counter() - t0, useful
 
@@ -167,7 +180,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--max-length", type=int, default=1024)
-    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[32, 48, 64, 96, 128, 192, 256, 384, 512])
+    ap.add_argument(
+        "--prefill-lengths", type=int, nargs="+", default=[32, 48, 64, 96, 128, 192, 256, 384, 512]
+    )
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--driver", choices=["vdriver", "odriver"], nargs="+", default=["vdriver"])
     ap.add_argument("--skip-hf", action="store_true")
@@ -191,15 +206,20 @@ def main(argv=None) -> int:
     hf = hf_model(src) if not args.skip_hf and src.endswith(".gguf") else None
     surges = {d: build_surge(model, tok, args, d) for d in args.driver}
 
-    print(f"{'batch':>5} {'raw tok/s':>10} {'raw+prefill':>12} " + " ".join(f"{d + ' tok/s':>14}" for d in surges)
-          + f" {'hf tok/s':>10}")
+    print(
+        f"{'batch':>5} {'raw tok/s':>10} {'raw+prefill':>12} "
+        + " ".join(f"{d + ' tok/s':>14}" for d in surges)
+        + f" {'hf tok/s':>10}"
+    )
     for b in args.batches:
         prompts = [list(rng.randint(100, vocab, size=args.prompt_tokens)) for _ in range(b)]
         outs = [args.output_tokens] * b
         row = {"raw": raw_decode_loop(model, b, args.prompt_tokens, args.output_tokens)}
         # the same decode rate plus one batched prefill of the prompts: what vSurge must also do
         decode_s = b * args.output_tokens / row["raw"]
-        row["raw+prefill"] = b * args.output_tokens / (decode_s + raw_prefill_seconds(model, b, args.prompt_tokens))
+        row["raw+prefill"] = (
+            b * args.output_tokens / (decode_s + raw_prefill_seconds(model, b, args.prompt_tokens))
+        )
         for d, s in surges.items():
             secs, toks, _ = run_requests(s, prompts, outs, b)
             row[d] = toks / secs
@@ -207,8 +227,12 @@ def main(argv=None) -> int:
             secs, toks = hf_generate(hf, prompts, outs, b)
             row["hf"] = toks / secs
         results["concurrency"][b] = row
-        print(f"{b:>5} {row['raw']:>10.1f} {row['raw+prefill']:>12.1f} " + " ".join(f"{row[d]:>14.1f}" for d in surges)
-              + f" {row.get('hf', float('nan')):>10.1f}", flush=True)
+        print(
+            f"{b:>5} {row['raw']:>10.1f} {row['raw+prefill']:>12.1f} "
+            + " ".join(f"{row[d]:>14.1f}" for d in surges)
+            + f" {row.get('hf', float('nan')):>10.1f}",
+            flush=True,
+        )
 
     if not args.skip_mixed:
         n = 64

@@ -22,21 +22,46 @@ from vsurge_operator.config import OperatorConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m vsurge_operator", description="vSurge InferenceModel operator")
+    p = argparse.ArgumentParser(
+        prog="python -m vsurge_operator", description="vSurge InferenceModel operator"
+    )
     scope = p.add_mutually_exclusive_group()
-    scope.add_argument("-n", "--namespace", dest="namespaces", action="append", default=[],
-                       help="namespace (or glob pattern) to watch; repeat for several")
-    scope.add_argument("-A", "--all-namespaces", action="store_true",
-                       help="watch every namespace (the default when no --namespace is given)")
-    p.add_argument("-L", "--liveness", dest="liveness_endpoint", default=os.environ.get("VSURGE_OPERATOR_LIVENESS"),
-                   help="serve kopf's health probe, e.g. http://0.0.0.0:8080/healthz")
-    p.add_argument("--standalone", action="store_true", default=None,
-                   help="do not coordinate with other operator instances through KopfPeering objects")
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        dest="namespaces",
+        action="append",
+        default=[],
+        help="namespace (or glob pattern) to watch; repeat for several",
+    )
+    scope.add_argument(
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        help="watch every namespace (the default when no --namespace is given)",
+    )
+    p.add_argument(
+        "-L",
+        "--liveness",
+        dest="liveness_endpoint",
+        default=os.environ.get("VSURGE_OPERATOR_LIVENESS"),
+        help="serve kopf's health probe, e.g. http://0.0.0.0:8080/healthz",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        default=None,
+        help="do not coordinate with other operator instances through KopfPeering objects",
+    )
     p.add_argument("-P", "--peering", dest="peering_name", default=None, help="KopfPeering name to use")
     p.add_argument("--default-image", default=None, help="image for models whose spec.image is empty")
     p.add_argument("--resync-seconds", type=float, default=None, help="drift-repair interval per model")
-    p.add_argument("--retry-delay-seconds", type=float, default=None, help="delay before retrying an API error")
-    p.add_argument("--scrape-timeout-seconds", type=float, default=None, help="timeout of one /metrics scrape")
+    p.add_argument(
+        "--retry-delay-seconds", type=float, default=None, help="delay before retrying an API error"
+    )
+    p.add_argument(
+        "--scrape-timeout-seconds", type=float, default=None, help="timeout of one /metrics scrape"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("-d", "--debug", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true")
@@ -59,7 +84,10 @@ def config_from_args(args: argparse.Namespace, base: OperatorConfig | None = Non
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     kopf.configure(
-        debug=args.debug, verbose=args.verbose, quiet=args.quiet, log_format=kopf.LogFormat[args.log_format.upper()]
+        debug=args.debug,
+        verbose=args.verbose,
+        quiet=args.quiet,
+        log_format=kopf.LogFormat[args.log_format.upper()],
     )
     config = config_from_args(args)
     registry = kopf.OperatorRegistry()

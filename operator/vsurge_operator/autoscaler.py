@@ -109,7 +109,9 @@ def recommend(current: int, samples: Sequence[PodSample], policy: Policy) -> Rec
     unready = len(samples) - len(ready)
     if not values:
         return Recommendation(
-            current, "NoMetrics", f"no ready pod reported {policy.metric} ({len(samples)} pods); keeping {current}"
+            current,
+            "NoMetrics",
+            f"no ready pod reported {policy.metric} ({len(samples)} pods); keeping {current}",
         )
     usage = _mean(values)
     ratio = usage / policy.target
@@ -157,8 +159,15 @@ def decide(
 
     if current == 0 and policy.min_replicas == 0:
         # Scaled to zero: no pods to measure. The router wakes the model through the scale subresource.
-        return Decision(0, 0, 0, "ScaledToZero", "no replicas; waiting for a request to wake the model", None,
-                        History(tuple(recs), tuple(events)))
+        return Decision(
+            0,
+            0,
+            0,
+            "ScaledToZero",
+            "no replicas; waiting for a request to wake the model",
+            None,
+            History(tuple(recs), tuple(events)),
+        )
 
     if not recs:
         # A fresh start (or an operator restart): act as if the current count was just recommended, so a
@@ -176,10 +185,14 @@ def decide(
     stabilized = min(max(current, up_floor), down_ceiling)
     if stabilized > rec.replicas:
         reason = "ScaleDownStabilized"
-        message += f"; holding {stabilized}, the highest recommendation in the last {policy.scale_down_window:g}s"
+        message += (
+            f"; holding {stabilized}, the highest recommendation in the last {policy.scale_down_window:g}s"
+        )
     elif stabilized < rec.replicas:
         reason = "ScaleUpStabilized"
-        message += f"; holding {stabilized}, the lowest recommendation in the last {policy.scale_up_window:g}s"
+        message += (
+            f"; holding {stabilized}, the lowest recommendation in the last {policy.scale_up_window:g}s"
+        )
 
     # Step 3: rate limits over the current period.
     added = sum(d for _, d in events if d > 0)
@@ -187,7 +200,9 @@ def decide(
     final = stabilized
     if final > current:
         start = current - added + removed
-        limit = max(start + policy.scale_up_pods, math.ceil(start * (1 + policy.scale_up_percent / 100)), current)
+        limit = max(
+            start + policy.scale_up_pods, math.ceil(start * (1 + policy.scale_up_percent / 100)), current
+        )
         if final > limit and limit < policy.max_replicas:
             final = limit
             reason = "ScaleUpLimit"

@@ -111,7 +111,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         decorator(*RESOURCE, id="reconcile", registry=registry)(on_change)
 
     @kopf.timer(
-        *RESOURCE, id="resync", interval=config.resync_seconds, initial_delay=config.resync_seconds,
+        *RESOURCE,
+        id="resync",
+        interval=config.resync_seconds,
+        initial_delay=config.resync_seconds,
         registry=registry,
     )
     def resync(body: kopf.Body, **_: Any) -> None:
@@ -135,7 +138,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 decision = await scaler.step(body)
                 last_error = ""
                 if decision is not None:
-                    interval = specmod.autoscaling_from(body.get("spec", {}).get("autoscaling")).interval_seconds
+                    interval = specmod.autoscaling_from(
+                        body.get("spec", {}).get("autoscaling")
+                    ).interval_seconds
             except Exception as e:
                 message = f"autoscaler pass failed: {reconcile.describe(e)}"
                 logger.warning("%s: %s", body.get("metadata", {}).get("name"), message)

@@ -100,7 +100,9 @@ class Kube:
             body=body,
             auth_settings=["BearerToken"],
         )
-        response = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=self.timeout)
+        response = self.api.call_api(
+            method, url, header_params=headers, body=body, _request_timeout=self.timeout
+        )
         raw = response.read()
         text = raw.decode("utf-8", "replace") if raw else ""
         if not 200 <= response.status < 300:

@@ -103,14 +103,14 @@ def _value_env(name: str, value: Any) -> dict[str, Any]:
 def model_path(source: str) -> str:
     """What ``VSURGE_MODEL`` gets: the source as is, except ``pvc://claim/path`` becomes the mounted path."""
     if source.startswith("pvc://"):
-        _claim, _, path = source[len("pvc://"):].partition("/")
+        _claim, _, path = source[len("pvc://") :].partition("/")
         return f"{MODEL_MOUNT}/{path}".rstrip("/") if path else MODEL_MOUNT
     return source
 
 
 def pvc_claim(source: str) -> str | None:
     if source.startswith("pvc://"):
-        return source[len("pvc://"):].partition("/")[0]
+        return source[len("pvc://") :].partition("/")[0]
     return None
 
 
@@ -249,7 +249,9 @@ def pod_template(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
     }
     claim = pvc_claim(model.source)
     if claim:
-        pod_spec["volumes"].append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        pod_spec["volumes"].append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        )
     sel = node_selector(model)
     if sel:
         pod_spec["nodeSelector"] = sel

@@ -140,7 +140,9 @@ class Reconciler:
         except Exception:  # events are advisory; the status below matters more
             logger.exception("could not post an event")
         generation = int(body.get("metadata", {}).get("generation", 0) or 0)
-        new = status.failed(body.get("status"), generation, reason, message, status.now_rfc3339(), invalid=False)
+        new = status.failed(
+            body.get("status"), generation, reason, message, status.now_rfc3339(), invalid=False
+        )
         try:
             self._write_status(body, new)
         except Exception as e:  # the API is failing already; the retry will try again

@@ -56,9 +56,13 @@ class ModelAutoscaler:
         pods = await asyncio.to_thread(
             self.api.list, kube.POD, model.namespace, manifests.selector_string(model)
         )
-        targets = scraper.scrape_targets(pods, manifests.selector_labels(model), leaders_only=model.multi_host)
+        targets = scraper.scrape_targets(
+            pods, manifests.selector_labels(model), leaders_only=model.multi_host
+        )
         results = await scraper.scrape(
-            targets, [OCCUPANCY_SERIES, QUEUE_SERIES], model=model.served_name,
+            targets,
+            [OCCUPANCY_SERIES, QUEUE_SERIES],
+            model=model.served_name,
             timeout=self.config.scrape_timeout_seconds,
         )
         series = specmod.PROMETHEUS_SERIES[model.autoscaling.metric]
@@ -88,15 +92,21 @@ class ModelAutoscaler:
                     # Through the scale subresource, like any HPA: the reconciler carries spec.replicas
                     # to the workload on the update event that follows.
                     await asyncio.to_thread(
-                        self.api.patch, kube.INFERENCE_MODEL, model.namespace, model.name,
-                        {"spec": {"replicas": decision.replicas}}, "scale",
+                        self.api.patch,
+                        kube.INFERENCE_MODEL,
+                        model.namespace,
+                        model.name,
+                        {"spec": {"replicas": decision.replicas}},
+                        "scale",
                     )
                 except Exception:
                     self.history = without_last_event(decision.history)
                     raise
                 verb = "ScaledUp" if decision.replicas > current else "ScaledDown"
                 self.events(
-                    body, "Normal", verb,
+                    body,
+                    "Normal",
+                    verb,
                     f"{current} -> {decision.replicas} replicas ({decision.reason}): {decision.message}",
                 )
             self.history = decision.history

@@ -119,7 +119,9 @@ async def _fetch(
         response.raise_for_status()
     except httpx.HTTPError:
         return PodMetrics(target.pod, ready=True, values={})
-    return PodMetrics(target.pod, ready=True, values={s: parse_value(response.text, s, model) for s in series})
+    return PodMetrics(
+        target.pod, ready=True, values={s: parse_value(response.text, s, model) for s in series}
+    )
 
 
 async def scrape(

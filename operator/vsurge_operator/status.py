@@ -56,7 +56,11 @@ def merge_conditions(
 def workload_counts(workload: Mapping[str, Any] | None) -> tuple[int, int, int]:
     """(replicas, readyReplicas, updatedReplicas) from a Deployment's or LeaderWorkerSet's status."""
     ws = (workload or {}).get("status") or {}
-    return int(ws.get("replicas") or 0), int(ws.get("readyReplicas") or 0), int(ws.get("updatedReplicas") or 0)
+    return (
+        int(ws.get("replicas") or 0),
+        int(ws.get("readyReplicas") or 0),
+        int(ws.get("updatedReplicas") or 0),
+    )
 
 
 def reconciled(
@@ -70,7 +74,9 @@ def reconciled(
     kind = "LeaderWorkerSet" if model.multi_host else "Deployment"
 
     if desired == 0:
-        ready_cond = condition(READY, False, "ScaledToZero", "0 replicas requested; a request wakes the model", gen)
+        ready_cond = condition(
+            READY, False, "ScaledToZero", "0 replicas requested; a request wakes the model", gen
+        )
     elif ready > 0:
         ready_cond = condition(READY, True, "Serving", f"{ready}/{desired} replicas ready", gen)
     else:
@@ -81,7 +87,9 @@ def reconciled(
             PROGRESSING, True, "RollingOut", f"{ready} ready, {updated} updated of {desired} desired", gen
         )
     elif replicas > desired:
-        progressing = condition(PROGRESSING, True, "ScalingDown", f"{replicas} replicas, {desired} desired", gen)
+        progressing = condition(
+            PROGRESSING, True, "ScalingDown", f"{replicas} replicas, {desired} desired", gen
+        )
     else:
         progressing = condition(PROGRESSING, False, "Stable", f"{kind} has {desired} ready replicas", gen)
 

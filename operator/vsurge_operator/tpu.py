@@ -141,5 +141,9 @@ def placement(accelerator: str, topology: str) -> TpuPlacement:
             f"(valid: {', '.join(valid_topologies(accelerator))})",
         )
     return TpuPlacement(
-        accelerator=accelerator, topology=topology, generation=generation, chips=shape.chips, hosts=shape.hosts
+        accelerator=accelerator,
+        topology=topology,
+        generation=generation,
+        chips=shape.chips,
+        hosts=shape.hosts,
     )

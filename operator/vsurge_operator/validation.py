@@ -19,7 +19,9 @@ from vsurge_operator import spec as specmod
 from vsurge_operator import tpu
 
 # Keep in sync with helm/vsurge/crds/inferencemodels.vsurge.io.yaml (tests compare them).
-SOURCE_PATTERN = r"^(default|hf://[^\s]+|gs://[^\s]+|s3://[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|/[^\s]*)$"
+SOURCE_PATTERN = (
+    r"^(default|hf://[^\s]+|gs://[^\s]+|s3://[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|/[^\s]*)$"
+)
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 TOPOLOGY_PATTERN = r"^[1-9][0-9]*x[1-9][0-9]*(x[1-9][0-9]*)?$"
 MESH_PATTERN = r"^(dp|fsdp|tp|sp|ep)=[1-9][0-9]*(,(dp|fsdp|tp|sp|ep)=[1-9][0-9]*)*$"
@@ -27,9 +29,7 @@ TRACING_ENDPOINT_PATTERN = r"^(https?|grpc)://[^\s]+$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 
 DRIVERS = ("vdriver", "odriver")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -88,7 +88,9 @@ class _Checker:
             return {}
         return value
 
-    def string(self, value: Any, path: str, pattern: str | None = None, choices: tuple[str, ...] = ()) -> None:
+    def string(
+        self, value: Any, path: str, pattern: str | None = None, choices: tuple[str, ...] = ()
+    ) -> None:
         if value is None:
             return
         if not isinstance(value, str):
@@ -107,7 +109,9 @@ class _Checker:
             return
         self._range(value, path, range_key or path)
 
-    def number(self, value: Any, path: str, range_key: str | None = None, exclusive_min: bool = False) -> None:
+    def number(
+        self, value: Any, path: str, range_key: str | None = None, exclusive_min: bool = False
+    ) -> None:
         if value is None:
             return
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
@@ -132,7 +136,9 @@ def validate(body: Mapping[str, Any], *, default_image: str | None = None) -> li
     name = meta.get("name")
     # The Service is named after the model, and Service names are DNS-1035 labels.
     if not isinstance(name, str) or not re.match(DNS1035_LABEL, name) or len(name) > 63:
-        c.fail("metadata.name", f"{name!r} must be a DNS-1035 label (a-z, 0-9, '-', start with a letter, <= 63)")
+        c.fail(
+            "metadata.name", f"{name!r} must be a DNS-1035 label (a-z, 0-9, '-', start with a letter, <= 63)"
+        )
 
     spec = body.get("spec")
     if not isinstance(spec, Mapping):
@@ -194,7 +200,10 @@ def _validate_engine(c: _Checker, engine: Mapping[str, Any]) -> None:
             c.fail("spec.engine.prefillLengths", f"must be strictly increasing (got {ints})")
         max_length = engine.get("maxLength")
         if isinstance(max_length, int) and not isinstance(max_length, bool) and ints[-1] > max_length:
-            c.fail("spec.engine.prefillLengths", f"longest bucket {ints[-1]} exceeds spec.engine.maxLength {max_length}")
+            c.fail(
+                "spec.engine.prefillLengths",
+                f"longest bucket {ints[-1]} exceeds spec.engine.maxLength {max_length}",
+            )
 
 
 def _validate_tpu(c: _Checker, raw: Any) -> tpu.TpuPlacement | None:
@@ -248,8 +257,14 @@ def _validate_autoscaling(c: _Checker, a: Mapping[str, Any]) -> None:
     if enabled is not None and not isinstance(enabled, bool):
         c.fail(f"{p}.enabled", "must be a boolean")
     for key in (
-        "minReplicas", "maxReplicas", "intervalSeconds", "scaleUpStabilizationSeconds",
-        "scaleDownStabilizationSeconds", "scaleUpPercent", "scaleUpPods", "scaleDownPercent",
+        "minReplicas",
+        "maxReplicas",
+        "intervalSeconds",
+        "scaleUpStabilizationSeconds",
+        "scaleDownStabilizationSeconds",
+        "scaleUpPercent",
+        "scaleUpPods",
+        "scaleDownPercent",
         "policyPeriodSeconds",
     ):
         c.integer(a.get(key), f"{p}.{key}")
@@ -288,7 +303,11 @@ def _validate_pod_overrides(c: _Checker, spec: Mapping[str, Any], placement: tpu
                 c.fail(path, "must be a quantity (string or number)")
             elif isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
                 c.fail(path, f"{value!r} is not a Kubernetes quantity")
-            elif key == tpu.TPU_RESOURCE and placement is not None and str(value) != str(placement.chips_per_host):
+            elif (
+                key == tpu.TPU_RESOURCE
+                and placement is not None
+                and str(value) != str(placement.chips_per_host)
+            ):
                 c.fail(path, f"must be {placement.chips_per_host} (chips per host of the slice) or omitted")
 
     env = spec.get("env")
@@ -306,8 +325,14 @@ def _validate_pod_overrides(c: _Checker, spec: Mapping[str, Any], placement: tpu
     for key, value in selector.items():
         if not isinstance(value, str):
             c.fail(f"spec.nodeSelector.{key}", "must be a string")
-        elif placement is not None and key in placement.node_selector() and placement.node_selector()[key] != value:
-            c.fail(f"spec.nodeSelector.{key}", f"conflicts with spec.tpu ({placement.node_selector()[key]!r})")
+        elif (
+            placement is not None
+            and key in placement.node_selector()
+            and placement.node_selector()[key] != value
+        ):
+            c.fail(
+                f"spec.nodeSelector.{key}", f"conflicts with spec.tpu ({placement.node_selector()[key]!r})"
+            )
 
     tolerations = spec.get("tolerations")
     if tolerations is not None:

@@ -64,7 +64,9 @@ class vSurgeRequest:  # noqa: N801 - the seed's name
     detokenize: bool | None = None  # None: detokenize unless is_client_side_tokenization
 
     @classmethod
-    def from_sampling_params(cls, prompt: str | list[int], sampling_params: SamplingParams, **kw) -> vSurgeRequest:
+    def from_sampling_params(
+        cls, prompt: str | list[int], sampling_params: SamplingParams, **kw
+    ) -> vSurgeRequest:
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in dataclasses.asdict(sampling_params).items() if k in fields}
         return cls(prompt=prompt, **values, **kw)

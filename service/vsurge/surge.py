@@ -158,7 +158,8 @@ class vSurge:  # noqa: N801 - the seed's name
         """Longest prompt accepted: the largest prefill bucket (any length for an engine that prefills in
         chunks), and room for one generated token."""
         return min(
-            getattr(e, "max_prompt_length", min(e.max_prefill_length, e.max_length - 1)) for e in self._driver.engines
+            getattr(e, "max_prompt_length", min(e.max_prefill_length, e.max_length - 1))
+            for e in self._driver.engines
         )
 
     @property
@@ -206,7 +207,9 @@ class vSurge:  # noqa: N801 - the seed's name
             isinstance(m, dict) and "role" in m and "content" in m for m in text_or_conversation
         ):
             try:
-                ids = self.processor.apply_chat_template(text_or_conversation, tokenize=True, add_generation_prompt=True)
+                ids = self.processor.apply_chat_template(
+                    text_or_conversation, tokenize=True, add_generation_prompt=True
+                )
             except Exception as e:
                 raise ValueError(f"cannot apply the chat template: {e}") from None
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -221,7 +224,9 @@ class vSurge:  # noqa: N801 - the seed's name
         if request.is_client_side_tokenization:
             ids = list(request.prompt)
             vocab = self._engine.config.vocab_size
-            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            if not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+            ):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
             ids = [int(t) for t in ids]
         elif isinstance(request.prompt, str):
@@ -240,7 +245,9 @@ class vSurge:  # noqa: N801 - the seed's name
             ids,
             params,
             processor=self.processor,
-            detokenize=(not request.is_client_side_tokenization) if request.detokenize is None else request.detokenize,
+            detokenize=(not request.is_client_side_tokenization)
+            if request.detokenize is None
+            else request.detokenize,
             eos_token_ids=self.eos_token_ids,
             metadata=md,
             channel=ReturnChannel(loop),
@@ -306,7 +313,12 @@ class vSurge:  # noqa: N801 - the seed's name
         agg: dict[int, ReturnSample] = {}
         async for items in self.complete(request):
             for s in items:
-                a = agg.setdefault(s.index, ReturnSample(text="", token_ids=[], index=s.index, logprobs=[] if s.logprobs is not None else None))
+                a = agg.setdefault(
+                    s.index,
+                    ReturnSample(
+                        text="", token_ids=[], index=s.index, logprobs=[] if s.logprobs is not None else None
+                    ),
+                )
                 a.text += s.text
                 a.token_ids += s.token_ids
                 if s.logprobs is not None:

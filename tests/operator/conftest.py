@@ -47,7 +47,12 @@ def start_operator(cluster: KMockCluster, namespace: str, tmp_path: Path, reques
 
     def start(*extra: str, resync: float = 1.0, retry: float = 0.3) -> OperatorProcess:
         kubeconfig = cluster.write_kubeconfig(tmp_path / "kubeconfig")
-        args = [f"--namespace={namespace}", f"--resync-seconds={resync}", f"--retry-delay-seconds={retry}", *extra]
+        args = [
+            f"--namespace={namespace}",
+            f"--resync-seconds={resync}",
+            f"--retry-delay-seconds={retry}",
+            *extra,
+        ]
         proc = OperatorProcess(kubeconfig, tmp_path / f"operator-{len(procs)}.log", args)
         procs.append(proc)
         return proc.start()

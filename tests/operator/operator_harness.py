@@ -147,7 +147,9 @@ class StampingEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request: Any) -> Any:
         method = str(getattr(request.method, "value", request.method)).upper()
         if method == "PUT":
-            raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", message="PUT is not allowed; PATCH")
+            raise kmock.KubernetesError(
+                status=405, reason="MethodNotAllowed", message="PUT is not allowed; PATCH"
+            )
         fault = self._fault_for(request)
         if fault is not None:
             raise kmock.KubernetesError(
@@ -189,7 +191,9 @@ class StampingEmulator(kmock.KubernetesEmulator):
                     # KMock finds reactions by request identity, so the (frozen) request is edited in place.
                     object.__setattr__(request, "data", data)
                 if not isinstance(data, dict):
-                    raise kmock.KubernetesError(status=415, reason="UnsupportedMediaType", message="unknown patch")
+                    raise kmock.KubernetesError(
+                        status=415, reason="UnsupportedMediaType", message="unknown patch"
+                    )
                 meta = data.setdefault("metadata", {})
                 for immutable in ("uid", "creationTimestamp", "generation"):
                     meta.pop(immutable, None)
@@ -205,23 +209,36 @@ class StampingEmulator(kmock.KubernetesEmulator):
 
 def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
     info = kmock.ResourceInfo
-    emulator.resources["v1/namespaces"] = info(kind="Namespace", singular="namespace", namespaced=False, verbs=VERBS)
+    emulator.resources["v1/namespaces"] = info(
+        kind="Namespace", singular="namespace", namespaced=False, verbs=VERBS
+    )
     emulator.resources["v1/pods"] = info(kind="Pod", singular="pod", namespaced=True, verbs=VERBS)
     emulator.resources["v1/services"] = info(kind="Service", singular="service", namespaced=True, verbs=VERBS)
     emulator.resources["v1/events"] = info(kind="Event", singular="event", namespaced=True, verbs=VERBS)
     emulator.resources["apps/v1/deployments"] = info(
-        kind="Deployment", singular="deployment", namespaced=True, verbs=VERBS, subresources={"status", "scale"}
+        kind="Deployment",
+        singular="deployment",
+        namespaced=True,
+        verbs=VERBS,
+        subresources={"status", "scale"},
     )
     emulator.resources["policy/v1/poddisruptionbudgets"] = info(
         kind="PodDisruptionBudget", singular="poddisruptionbudget", namespaced=True, verbs=VERBS
     )
     emulator.resources["leaderworkerset.x-k8s.io/v1/leaderworkersets"] = info(
-        kind="LeaderWorkerSet", singular="leaderworkerset", namespaced=True, verbs=VERBS,
+        kind="LeaderWorkerSet",
+        singular="leaderworkerset",
+        namespaced=True,
+        verbs=VERBS,
         subresources={"status", "scale"},
     )
     emulator.resources["vsurge.io/v1alpha1/inferencemodels"] = info(
-        kind="InferenceModel", singular="inferencemodel", namespaced=True, verbs=VERBS,
-        shortnames={"im"}, subresources={"status", "scale"},
+        kind="InferenceModel",
+        singular="inferencemodel",
+        namespaced=True,
+        verbs=VERBS,
+        shortnames={"im"},
+        subresources={"status", "scale"},
     )
 
 
@@ -320,9 +337,16 @@ class KMockCluster:
 
         return self.call(read)
 
-    def requests(self, method: str | None = None, plural: str | None = None,
-                 subresource: Any = ..., namespace: str | None = None, agent: str | None = None) -> list[Any]:
+    def requests(
+        self,
+        method: str | None = None,
+        plural: str | None = None,
+        subresource: Any = ...,
+        namespace: str | None = None,
+        agent: str | None = None,
+    ) -> list[Any]:
         """Requests served so far; ``agent`` filters by User-Agent prefix (e.g. kube.USER_AGENT)."""
+
         def read() -> list[Any]:
             out = []
             for r in list(self.emulator):  # a KMock view iterates over the requests it saw
@@ -348,7 +372,9 @@ class KMockCluster:
             "kind": "Config",
             "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
             "users": [{"name": "kmock", "user": {"token": "kmock-token"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": namespace}}],
+            "contexts": [
+                {"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": namespace}}
+            ],
             "current-context": "kmock",
         }
         path.write_text(yaml.safe_dump(config))
@@ -376,27 +402,43 @@ class OperatorProcess:
     """``python -m vsurge_operator`` in a subprocess, logged to a file, stopped with SIGTERM."""
 
     def __init__(
-        self, kubeconfig: Path, log_path: Path, args: list[str], *, kopf_run: bool = False,
+        self,
+        kubeconfig: Path,
+        log_path: Path,
+        args: list[str],
+        *,
+        kopf_run: bool = False,
         env: dict[str, str] | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
         self.health_port = free_port()
         self.args = args
-        self.kopf_run = kopf_run  # `kopf run -m vsurge_operator.kopf_app` instead of `python -m vsurge_operator`
+        self.kopf_run = (
+            kopf_run  # `kopf run -m vsurge_operator.kopf_app` instead of `python -m vsurge_operator`
+        )
         self.extra_env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> OperatorProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_OPERATOR_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_OPERATOR_"))
+        }
         env["KUBECONFIG"] = str(self.kubeconfig)
         paths = [str(REPO / "operator"), str(REPO / "service"), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         env.update(self.extra_env)
         entry = ["kopf", "run", "-m", "vsurge_operator.kopf_app"] if self.kopf_run else ["vsurge_operator"]
         cmd = [
-            sys.executable, "-m", *entry, "--standalone", "--verbose",
-            f"--liveness=http://127.0.0.1:{self.health_port}/healthz", *self.args,
+            sys.executable,
+            "-m",
+            *entry,
+            "--standalone",
+            "--verbose",
+            f"--liveness=http://127.0.0.1:{self.health_port}/healthz",
+            *self.args,
         ]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
@@ -457,7 +499,9 @@ class _MetricsCollector:
             return
         occ = GaugeMetricFamily("vsurge_slot_occupancy", "Fraction of decode slots in use", labels=["model"])
         occ.add_metric([self.model], self.board.occupancy)
-        queue = GaugeMetricFamily("vsurge_prefill_queue_size", "Requests waiting for prefill", labels=["model"])
+        queue = GaugeMetricFamily(
+            "vsurge_prefill_queue_size", "Requests waiting for prefill", labels=["model"]
+        )
         queue.add_metric([self.model], self.board.queue)
         yield occ
         yield queue
@@ -487,7 +531,9 @@ class PodMetricsServer:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
 
     def close(self) -> None:
@@ -534,8 +580,11 @@ class FakeKubelet:
             want = int(dep.get("spec", {}).get("replicas") or 0)
             template = dep["spec"]["template"]
             model = next(
-                (e["value"] for e in template["spec"]["containers"][0].get("env", [])
-                 if e["name"] == "VSURGE_SERVED_MODEL_NAME"),
+                (
+                    e["value"]
+                    for e in template["spec"]["containers"][0].get("env", [])
+                    if e["name"] == "VSURGE_SERVED_MODEL_NAME"
+                ),
                 name,
             )
             mine = sorted(p for p in self.servers if p.startswith(f"{name}-pod-"))
@@ -545,36 +594,64 @@ class FakeKubelet:
                 self.api.delete(kube.POD, self.namespace, pod)
                 self.servers.pop(pod).close()
             count = len([p for p in self.servers if p.startswith(f"{name}-pod-")])
-            self.api.patch(kube.DEPLOYMENT, self.namespace, name, {"status": {
-                "observedGeneration": dep["metadata"].get("generation", 1),
-                "replicas": count, "readyReplicas": count, "updatedReplicas": count, "availableReplicas": count,
-            }}, subresource="status")
+            self.api.patch(
+                kube.DEPLOYMENT,
+                self.namespace,
+                name,
+                {
+                    "status": {
+                        "observedGeneration": dep["metadata"].get("generation", 1),
+                        "replicas": count,
+                        "readyReplicas": count,
+                        "updatedReplicas": count,
+                        "availableReplicas": count,
+                    }
+                },
+                subresource="status",
+            )
 
     def _add_pod(self, dep: dict[str, Any], pod: str, template: dict[str, Any], model: str) -> None:
         server = PodMetricsServer(self.board, model, pod)
         self.servers[pod] = server
         container = template["spec"]["containers"][0]
-        self.api.create(kube.POD, self.namespace, {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": pod, "namespace": self.namespace, "labels": dict(template["metadata"]["labels"])},
-            "spec": {"containers": [{
-                "name": container["name"],
-                "image": container["image"],
-                "ports": [{"name": "http", "containerPort": 11556}, {"name": "metrics", "containerPort": server.port}],
-            }]},
-            "status": {
-                "phase": "Running",
-                "podIP": "127.0.0.1",
-                "conditions": [{"type": "Ready", "status": "True"}],
+        self.api.create(
+            kube.POD,
+            self.namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": pod,
+                    "namespace": self.namespace,
+                    "labels": dict(template["metadata"]["labels"]),
+                },
+                "spec": {
+                    "containers": [
+                        {
+                            "name": container["name"],
+                            "image": container["image"],
+                            "ports": [
+                                {"name": "http", "containerPort": 11556},
+                                {"name": "metrics", "containerPort": server.port},
+                            ],
+                        }
+                    ]
+                },
+                "status": {
+                    "phase": "Running",
+                    "podIP": "127.0.0.1",
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                },
             },
-        })
+        )
 
 
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 15, interval: float = 0.05, message: str = "") -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 15, interval: float = 0.05, message: str = ""
+) -> Any:
     """Poll until ``predicate`` returns something truthy; return it, or fail with ``message``."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -594,7 +671,10 @@ def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
 
 
 def inference_model(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
-    body_spec: dict[str, Any] = {"model": {"source": "default"}, "image": "ghcr.io/vsurge-stack/vsurge-service:test"}
+    body_spec: dict[str, Any] = {
+        "model": {"source": "default"},
+        "image": "ghcr.io/vsurge-stack/vsurge-service:test",
+    }
     body_spec.update(spec)
     return {
         "apiVersion": "vsurge.io/v1alpha1",

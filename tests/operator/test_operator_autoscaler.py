@@ -39,19 +39,55 @@ STEPS = [
     # (name, policy, current, samples, history, expected replicas, expected reason)
     ("within tolerance", BASE, 2, pods(0.75, 0.75), History(), 2, "WithinTolerance"),
     ("scale up", replace(BASE, target=0.5), 2, pods(1.0, 1.0), History(), 4, "ScaleUp"),
-    ("scale down held by window after a restart", BASE, 4, pods(0.1, 0.1, 0.1, 0.1), History(), 4,
-     "ScaleDownStabilized"),
+    (
+        "scale down held by window after a restart",
+        BASE,
+        4,
+        pods(0.1, 0.1, 0.1, 0.1),
+        History(),
+        4,
+        "ScaleDownStabilized",
+    ),
     ("scale down without window", NO_WINDOW, 4, pods(0.1, 0.1, 0.1, 0.1), History(), 1, "ScaleDown"),
     # Missing metrics while going down count as "at target": 3 instead of 1.
-    ("missing metrics dampen scale-down", NO_WINDOW, 4, pods(0.1, 0.1, None, None), History(), 3, "ScaleDown"),
+    (
+        "missing metrics dampen scale-down",
+        NO_WINDOW,
+        4,
+        pods(0.1, 0.1, None, None),
+        History(),
+        3,
+        "ScaleDown",
+    ),
     # Missing metrics while going up count as idle: 1.0,1.0,0,0 averages exactly the target.
-    ("missing metrics dampen scale-up", replace(BASE, target=0.5), 4, pods(1.0, 1.0, None, None), History(), 4,
-     "IncompleteMetrics"),
+    (
+        "missing metrics dampen scale-up",
+        replace(BASE, target=0.5),
+        4,
+        pods(1.0, 1.0, None, None),
+        History(),
+        4,
+        "IncompleteMetrics",
+    ),
     # A starting pod counts as idle when scaling up; here that flips the direction: no change.
-    ("unready pods dampen scale-up", replace(BASE, target=0.5), 3, pods(1.0) + unready(2), History(), 3,
-     "IncompleteMetrics"),
-    ("unready pods ignored when scaling down", NO_WINDOW, 3, pods(0.1, 0.1) + unready(1), History(), 1,
-     "ScaleDown"),
+    (
+        "unready pods dampen scale-up",
+        replace(BASE, target=0.5),
+        3,
+        pods(1.0) + unready(2),
+        History(),
+        3,
+        "IncompleteMetrics",
+    ),
+    (
+        "unready pods ignored when scaling down",
+        NO_WINDOW,
+        3,
+        pods(0.1, 0.1) + unready(1),
+        History(),
+        1,
+        "ScaleDown",
+    ),
     ("all metrics missing", BASE, 3, pods(None, None, None), History(), 3, "NoMetrics"),
     ("no ready pods", BASE, 3, unready(3), History(), 3, "NoMetrics"),
     ("no pods at all", BASE, 2, [], History(), 2, "NoMetrics"),
@@ -60,23 +96,67 @@ STEPS = [
     ("below min", replace(BASE, min_replicas=2), 0, [], History(), 2, "TooFewReplicas"),
     ("scaled to zero stays at zero", replace(BASE, min_replicas=0), 0, [], History(), 0, "ScaledToZero"),
     ("idle scales to zero", replace(NO_WINDOW, min_replicas=0), 2, pods(0.0, 0.0), History(), 0, "ScaleDown"),
-    ("scale-up rate limit", replace(BASE, target=0.1, max_replicas=50), 2, pods(1.0, 1.0), History(), 6,
-     "ScaleUpLimit"),
-    ("scale-up limited by earlier changes in the period", replace(BASE, target=0.1, max_replicas=50), 6,
-     pods(*[1.0] * 6), History(events=((95.0, 4),)), 6, "ScaleUpLimit"),
-    ("scale-up limit counts percent", replace(BASE, target=0.1, max_replicas=50, scale_up_pods=1), 10,
-     pods(*[1.0] * 10), History(), 20, "ScaleUpLimit"),
-    ("scale-down rate limit", replace(NO_WINDOW, scale_down_percent=50), 8, pods(*[0.05] * 8), History(), 4,
-     "ScaleDownLimit"),
-    ("scale-up window keeps the lowest recent recommendation", replace(BASE, target=0.5, scale_up_window=60), 2,
-     pods(1.0, 1.0), History(recommendations=((70.0, 2),)), 2, "ScaleUpStabilized"),
-    ("max clamp wins over the recommendation", replace(BASE, target=0.1), 6, pods(*[1.0] * 6), History(), 8,
-     "TooManyReplicas"),
+    (
+        "scale-up rate limit",
+        replace(BASE, target=0.1, max_replicas=50),
+        2,
+        pods(1.0, 1.0),
+        History(),
+        6,
+        "ScaleUpLimit",
+    ),
+    (
+        "scale-up limited by earlier changes in the period",
+        replace(BASE, target=0.1, max_replicas=50),
+        6,
+        pods(*[1.0] * 6),
+        History(events=((95.0, 4),)),
+        6,
+        "ScaleUpLimit",
+    ),
+    (
+        "scale-up limit counts percent",
+        replace(BASE, target=0.1, max_replicas=50, scale_up_pods=1),
+        10,
+        pods(*[1.0] * 10),
+        History(),
+        20,
+        "ScaleUpLimit",
+    ),
+    (
+        "scale-down rate limit",
+        replace(NO_WINDOW, scale_down_percent=50),
+        8,
+        pods(*[0.05] * 8),
+        History(),
+        4,
+        "ScaleDownLimit",
+    ),
+    (
+        "scale-up window keeps the lowest recent recommendation",
+        replace(BASE, target=0.5, scale_up_window=60),
+        2,
+        pods(1.0, 1.0),
+        History(recommendations=((70.0, 2),)),
+        2,
+        "ScaleUpStabilized",
+    ),
+    (
+        "max clamp wins over the recommendation",
+        replace(BASE, target=0.1),
+        6,
+        pods(*[1.0] * 6),
+        History(),
+        8,
+        "TooManyReplicas",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("name", "policy", "current", "samples", "history", "replicas", "reason"), STEPS, ids=[s[0] for s in STEPS]
+    ("name", "policy", "current", "samples", "history", "replicas", "reason"),
+    STEPS,
+    ids=[s[0] for s in STEPS],
 )
 def test_single_decision(name, policy, current, samples, history, replicas, reason):
     d = decide(current=current, samples=samples, policy=policy, history=history, now=100.0)
@@ -101,8 +181,14 @@ def test_failed_apply_forgets_only_the_event():
 # ---------------------------------------------------------------------------------- simulated time
 
 
-def simulate(policy: Policy, load: Callable[[float], float], seconds: float, interval: float = 15,
-             start: int = 1, saturate: bool = True) -> list[tuple[float, int, Decision]]:
+def simulate(
+    policy: Policy,
+    load: Callable[[float], float],
+    seconds: float,
+    interval: float = 15,
+    start: int = 1,
+    saturate: bool = True,
+) -> list[tuple[float, int, Decision]]:
     """Every pod sees ``load / replicas`` (capped at 1 for occupancy) and the decision is applied at once."""
     replicas, history, out = start, History(), []
     t = 0.0
@@ -180,13 +266,33 @@ def test_all_metrics_missing_over_time_keeps_replicas():
 
 
 def test_policy_from_spec_maps_every_field():
-    spec = AutoscalingSpec(enabled=True, min_replicas=2, max_replicas=9, metric="prefillQueueSize", target=3.0,
-                           tolerance=0.2, interval_seconds=5, scale_up_stabilization_seconds=10,
-                           scale_down_stabilization_seconds=20, scale_up_percent=50, scale_up_pods=2,
-                           scale_down_percent=30, policy_period_seconds=40)
+    spec = AutoscalingSpec(
+        enabled=True,
+        min_replicas=2,
+        max_replicas=9,
+        metric="prefillQueueSize",
+        target=3.0,
+        tolerance=0.2,
+        interval_seconds=5,
+        scale_up_stabilization_seconds=10,
+        scale_down_stabilization_seconds=20,
+        scale_up_percent=50,
+        scale_up_pods=2,
+        scale_down_percent=30,
+        policy_period_seconds=40,
+    )
     assert Policy.from_spec(spec) == Policy(
-        min_replicas=2, max_replicas=9, target=3.0, tolerance=0.2, scale_up_window=10, scale_down_window=20,
-        scale_up_percent=50, scale_up_pods=2, scale_down_percent=30, period=40, metric="prefillQueueSize",
+        min_replicas=2,
+        max_replicas=9,
+        target=3.0,
+        tolerance=0.2,
+        scale_up_window=10,
+        scale_down_window=20,
+        scale_up_percent=50,
+        scale_up_pods=2,
+        scale_down_percent=30,
+        period=40,
+        metric="prefillQueueSize",
     )
 
 
@@ -194,21 +300,36 @@ def test_policy_from_spec_maps_every_field():
 
 policies = st.builds(
     lambda lo, span, target, up, down, pct, pods_, dpct: Policy(
-        min_replicas=lo, max_replicas=lo + span, target=target, scale_up_window=up, scale_down_window=down,
-        scale_up_percent=pct, scale_up_pods=pods_, scale_down_percent=dpct,
+        min_replicas=lo,
+        max_replicas=lo + span,
+        target=target,
+        scale_up_window=up,
+        scale_down_window=down,
+        scale_up_percent=pct,
+        scale_up_pods=pods_,
+        scale_down_percent=dpct,
     ),
-    st.integers(0, 5), st.integers(0, 10), st.floats(0.05, 1.0), st.integers(0, 120), st.integers(0, 600),
-    st.integers(1, 300), st.integers(1, 10), st.integers(1, 100),
+    st.integers(0, 5),
+    st.integers(0, 10),
+    st.floats(0.05, 1.0),
+    st.integers(0, 120),
+    st.integers(0, 600),
+    st.integers(1, 300),
+    st.integers(1, 10),
+    st.integers(1, 100),
 )
 samples_st = st.lists(
-    st.builds(PodSample, st.text(min_size=1, max_size=3), st.booleans(),
-              st.one_of(st.none(), st.floats(0, 1.0))),
+    st.builds(
+        PodSample, st.text(min_size=1, max_size=3), st.booleans(), st.one_of(st.none(), st.floats(0, 1.0))
+    ),
     max_size=12,
 )
 histories = st.builds(
     History,
     st.lists(st.tuples(st.floats(0, 1000), st.integers(0, 30)), max_size=6).map(lambda xs: tuple(sorted(xs))),
-    st.lists(st.tuples(st.floats(900, 1000), st.integers(-5, 5)), max_size=4).map(lambda xs: tuple(sorted(xs))),
+    st.lists(st.tuples(st.floats(900, 1000), st.integers(-5, 5)), max_size=4).map(
+        lambda xs: tuple(sorted(xs))
+    ),
 )
 
 

@@ -25,18 +25,36 @@ def _replicas(cluster: KMockCluster, namespace: str, name: str) -> int | None:
 
 
 def _spec_replicas_history(cluster: KMockCluster, resource: str, namespace: str, name: str) -> list[int]:
-    return [v["spec"]["replicas"] for v in cluster.history(resource, namespace, name)
-            if v and v.get("spec", {}).get("replicas") is not None]
+    return [
+        v["spec"]["replicas"]
+        for v in cluster.history(resource, namespace, name)
+        if v and v.get("spec", {}).get("replicas") is not None
+    ]
 
 
-def test_replicas_follow_occupancy_within_windows_and_bounds(cluster, namespace, start_operator, kubelet, board):
+def test_replicas_follow_occupancy_within_windows_and_bounds(
+    cluster, namespace, start_operator, kubelet, board
+):
     board.occupancy = 0.3
     start_operator()
     api = cluster.client()
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model("auto", namespace, autoscaling={
-        "enabled": True, "minReplicas": 1, "maxReplicas": 3, "target": 0.5, "intervalSeconds": 1,
-        "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 6,
-    }))
+    api.create(
+        kube.INFERENCE_MODEL,
+        namespace,
+        inference_model(
+            "auto",
+            namespace,
+            autoscaling={
+                "enabled": True,
+                "minReplicas": 1,
+                "maxReplicas": 3,
+                "target": 0.5,
+                "intervalSeconds": 1,
+                "scaleUpStabilizationSeconds": 0,
+                "scaleDownStabilizationSeconds": 6,
+            },
+        ),
+    )
     wait_for(lambda: cluster.obj(DEP, namespace, "auto"), message="Deployment created")
 
     # Low load: the autoscaler reads the pod, reports occupancy, and keeps the minimum.
@@ -44,6 +62,7 @@ def test_replicas_follow_occupancy_within_windows_and_bounds(cluster, namespace,
         def check():
             st = (cluster.obj(IM, namespace, "auto") or {}).get("status", {})
             return st if st.get("occupancy") == value else None
+
         return check
 
     st = wait_for(observed(0.3), message="occupancy 0.3 in status")
@@ -55,7 +74,9 @@ def test_replicas_follow_occupancy_within_windows_and_bounds(cluster, namespace,
     t_up = time.monotonic()
     wait_for(lambda: _replicas(cluster, namespace, "auto") == 3, 15, message="scaled up to max")
     assert time.monotonic() - t_up < 10
-    wait_for(lambda: cluster.obj(DEP, namespace, "auto")["spec"]["replicas"] == 3, 5, message="Deployment at 3")
+    wait_for(
+        lambda: cluster.obj(DEP, namespace, "auto")["spec"]["replicas"] == 3, 5, message="Deployment at 3"
+    )
     wait_for(lambda: len(kubelet.servers) == 3, 5, message="three pods serving metrics")
     time.sleep(1.5)  # stays at the maximum while the load stays high
     assert _replicas(cluster, namespace, "auto") == 3
@@ -84,8 +105,9 @@ def test_replicas_follow_occupancy_within_windows_and_bounds(cluster, namespace,
     events = {e["reason"] for e in cluster.objects("events", namespace)}
     assert {"ScaledUp", "ScaledDown"} <= events
     # Every change went through the scale subresource.
-    scale_patches = cluster.requests(method="PATCH", plural="inferencemodels", subresource="scale",
-                                     agent=kube.USER_AGENT)
+    scale_patches = cluster.requests(
+        method="PATCH", plural="inferencemodels", subresource="scale", agent=kube.USER_AGENT
+    )
     assert len(scale_patches) >= 3
     assert not kubelet.errors
 
@@ -95,10 +117,23 @@ def test_missing_metrics_hold_replicas(cluster, namespace, start_operator, kubel
     board.silent.update({"quiet-pod-0", "quiet-pod-1"})  # both pods answer /metrics without the series
     start_operator()
     api = cluster.client()
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model("quiet", namespace, replicas=2, autoscaling={
-        "enabled": True, "minReplicas": 1, "maxReplicas": 4, "target": 0.5, "intervalSeconds": 1,
-        "scaleDownStabilizationSeconds": 0,
-    }))
+    api.create(
+        kube.INFERENCE_MODEL,
+        namespace,
+        inference_model(
+            "quiet",
+            namespace,
+            replicas=2,
+            autoscaling={
+                "enabled": True,
+                "minReplicas": 1,
+                "maxReplicas": 4,
+                "target": 0.5,
+                "intervalSeconds": 1,
+                "scaleDownStabilizationSeconds": 0,
+            },
+        ),
+    )
     wait_for(lambda: len(kubelet.servers) == 2, 10, message="two pods")
 
     def reason() -> str | None:

@@ -23,8 +23,11 @@ def test_namespaces_and_scope():
 
 
 def test_flags_override_the_environment():
-    env = {"VSURGE_OPERATOR_RESYNC_SECONDS": "60", "VSURGE_OPERATOR_DEFAULT_IMAGE": "img:env",
-           "VSURGE_OPERATOR_RETRY_DELAY_SECONDS": "2.5"}
+    env = {
+        "VSURGE_OPERATOR_RESYNC_SECONDS": "60",
+        "VSURGE_OPERATOR_DEFAULT_IMAGE": "img:env",
+        "VSURGE_OPERATOR_RETRY_DELAY_SECONDS": "2.5",
+    }
     base = OperatorConfig.from_env(env)
     assert (base.resync_seconds, base.default_image, base.retry_delay_seconds) == (60, "img:env", 2.5)
     args = cli.build_parser().parse_args(["--resync-seconds=5", "--default-image=img:flag"])
@@ -42,13 +45,23 @@ def test_register_wires_every_handler():
     assert set(spawning) == {"resync", "autoscaler"}
     assert spawning["resync"].interval == 7
     activities = {h.id for h in registry._activities.get_all_handlers()}
-    assert {"register.<locals>.configure", "register.<locals>.login", "register.<locals>.cleanup"} <= activities
+    assert {
+        "register.<locals>.configure",
+        "register.<locals>.login",
+        "register.<locals>.cleanup",
+    } <= activities
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     env = {"PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'service'}"}
-    return subprocess.run([sys.executable, "-m", "vsurge_operator", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "vsurge_operator", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
 
 
 def test_module_entrypoint_help_and_version():
@@ -62,7 +75,10 @@ def test_module_entrypoint_help_and_version():
 def test_kopf_run_entrypoint(cluster, namespace, tmp_path):
     kubeconfig = cluster.write_kubeconfig(tmp_path / "kubeconfig")
     proc = OperatorProcess(
-        kubeconfig, tmp_path / "kopf-run.log", [f"--namespace={namespace}"], kopf_run=True,
+        kubeconfig,
+        tmp_path / "kopf-run.log",
+        [f"--namespace={namespace}"],
+        kopf_run=True,
         env={"VSURGE_OPERATOR_DEFAULT_IMAGE": "img:default", "VSURGE_OPERATOR_RESYNC_SECONDS": "1"},
     )
     try:
@@ -70,8 +86,11 @@ def test_kopf_run_entrypoint(cluster, namespace, tmp_path):
         body = inference_model("viakopf", namespace)
         del body["spec"]["image"]  # taken from VSURGE_OPERATOR_DEFAULT_IMAGE
         cluster.client().create(kube.INFERENCE_MODEL, namespace, body)
-        dep = wait_for(lambda: cluster.obj("apps/v1/deployments", namespace, "viakopf"), 20,
-                       message=f"Deployment created by `kopf run`:\n{proc.log()}")
+        dep = wait_for(
+            lambda: cluster.obj("apps/v1/deployments", namespace, "viakopf"),
+            20,
+            message=f"Deployment created by `kopf run`:\n{proc.log()}",
+        )
         assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "img:default"
     finally:
         proc.stop()

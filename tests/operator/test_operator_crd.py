@@ -26,14 +26,23 @@ SPEC = SCHEMA["properties"]["spec"]["properties"]
 def im(**spec_fields: Any) -> dict[str, Any]:
     s: dict[str, Any] = {"model": {"source": "default"}}
     s.update(spec_fields)
-    return {"apiVersion": "vsurge.io/v1alpha1", "kind": "InferenceModel", "metadata": {"name": "m"}, "spec": s}
+    return {
+        "apiVersion": "vsurge.io/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": "m"},
+        "spec": s,
+    }
 
 
 def test_crd_is_a_valid_kubernetes_object():
     kv.validate(CRD, kv.latest_version(), strict=True)
     assert CRD["metadata"]["name"] == crd.CRD_NAME
     names = CRD["spec"]["names"]
-    assert (names["kind"], names["plural"], names["shortNames"]) == ("InferenceModel", "inferencemodels", ["im"])
+    assert (names["kind"], names["plural"], names["shortNames"]) == (
+        "InferenceModel",
+        "inferencemodels",
+        ["im"],
+    )
     assert CRD["spec"]["scope"] == "Namespaced" and CRD["spec"]["group"] == crd.GROUP
 
 
@@ -48,8 +57,12 @@ def test_subresources_and_printer_columns():
     }
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns == {
-        "Model": ".spec.model.source", "Accelerator": ".spec.tpu.accelerator", "Topology": ".spec.tpu.topology",
-        "Ready": ".status.readyReplicas", "Desired": ".status.desiredReplicas", "Occupancy": ".status.occupancy",
+        "Model": ".spec.model.source",
+        "Accelerator": ".spec.tpu.accelerator",
+        "Topology": ".spec.tpu.topology",
+        "Ready": ".status.readyReplicas",
+        "Desired": ".status.desiredReplicas",
+        "Occupancy": ".status.occupancy",
         "Age": ".metadata.creationTimestamp",
     }
 
@@ -78,24 +91,46 @@ VALID = {
     "minimal": im(),
     "issue example": im(
         model={"source": "gs://bucket/llama-3-8b", "servedName": "llama-3-8b"},
-        engine={"driver": "odriver", "maxConcurrentDecodes": 64, "maxLength": 4096, "prefillLengths": [256, 1024, 4096],
-                "pageSize": 128, "hbmUtilization": 0.85, "dtype": "bfloat16"},
-        tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"}, image="reg/vsurge-service:1", replicas=1,
-        autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 8, "metric": "slotOccupancy", "target": 0.7,
-                     "intervalSeconds": 15, "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300},
+        engine={
+            "driver": "odriver",
+            "maxConcurrentDecodes": 64,
+            "maxLength": 4096,
+            "prefillLengths": [256, 1024, 4096],
+            "pageSize": 128,
+            "hbmUtilization": 0.85,
+            "dtype": "bfloat16",
+        },
+        tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"},
+        image="reg/vsurge-service:1",
+        replicas=1,
+        autoscaling={
+            "enabled": True,
+            "minReplicas": 1,
+            "maxReplicas": 8,
+            "metric": "slotOccupancy",
+            "target": 0.7,
+            "intervalSeconds": 15,
+            "scaleUpStabilizationSeconds": 0,
+            "scaleDownStabilizationSeconds": 300,
+        },
         tracing={"endpoint": "http://otel-collector:4317", "samplingRatio": 0.1},
     ),
-    "multi-host v5p": im(tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x4"}, engine={"mesh": "dp=2,tp=8"}),
+    "multi-host v5p": im(
+        tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x4"}, engine={"mesh": "dp=2,tp=8"}
+    ),
     "hf with overrides": im(
         model={"source": "hf://Qwen/Qwen3-0.6B"},
         resources={"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": 4294967296}},
         env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
-        nodeSelector={"pool": "a"}, tolerations=[{"key": "k", "operator": "Equal", "value": "v", "effect": "NoSchedule"}],
-        serviceAccountName="models", imagePullPolicy="IfNotPresent",
+        nodeSelector={"pool": "a"},
+        tolerations=[{"key": "k", "operator": "Equal", "value": "v", "effect": "NoSchedule"}],
+        serviceAccountName="models",
+        imagePullPolicy="IfNotPresent",
     ),
-    "scale to zero on queue": im(model={"source": "pvc://weights/qwen"},
-                                 autoscaling={"enabled": True, "minReplicas": 0, "metric": "prefillQueueSize",
-                                              "target": 4}),
+    "scale to zero on queue": im(
+        model={"source": "pvc://weights/qwen"},
+        autoscaling={"enabled": True, "minReplicas": 0, "metric": "prefillQueueSize", "target": 4},
+    ),
     "local path": im(model={"source": "/models/llama"}, replicas=0),
 }
 
@@ -154,8 +189,10 @@ BAD = [
     ("spec.autoscaling.target", _set(BASE, "spec.autoscaling.target", 0)),
     ("spec.autoscaling.tolerance", _set(BASE, "spec.autoscaling.tolerance", 0.9)),
     ("spec.autoscaling.intervalSeconds", _set(BASE, "spec.autoscaling.intervalSeconds", 0)),
-    ("spec.autoscaling.scaleDownStabilizationSeconds",
-     _set(BASE, "spec.autoscaling.scaleDownStabilizationSeconds", 7200)),
+    (
+        "spec.autoscaling.scaleDownStabilizationSeconds",
+        _set(BASE, "spec.autoscaling.scaleDownStabilizationSeconds", 7200),
+    ),
     ("spec.autoscaling.scaleDownPercent", _set(BASE, "spec.autoscaling.scaleDownPercent", 101)),
     ("spec.tracing.endpoint", _set(BASE, "spec.tracing.endpoint", "otel-collector:4317")),
     ("spec.tracing.endpoint", _set(BASE, "spec.tracing.endpoint", _DELETE)),
@@ -211,7 +248,10 @@ def test_schema_matches_the_operator():
     assert SPEC["env"]["items"]["properties"]["name"]["pattern"] == validation.ENV_NAME_PATTERN
     assert SPEC["serviceAccountName"]["pattern"] == validation.DNS1123_SUBDOMAIN
     for kind in ("requests", "limits"):
-        assert SPEC["resources"]["properties"][kind]["additionalProperties"]["pattern"] == validation.QUANTITY_PATTERN
+        assert (
+            SPEC["resources"]["properties"][kind]["additionalProperties"]["pattern"]
+            == validation.QUANTITY_PATTERN
+        )
     toleration = SPEC["tolerations"]["items"]["properties"]
     assert tuple(toleration["operator"]["enum"]) == validation.TOLERATION_OPERATORS
     assert tuple(toleration["effect"]["enum"]) == validation.TAINT_EFFECTS

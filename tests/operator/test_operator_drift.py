@@ -13,7 +13,10 @@ from vsurge_operator import drift
 
 WANT = {
     "metadata": {"name": "m", "labels": {"a": "1", "b": "2"}},
-    "spec": {"replicas": 2, "template": {"spec": {"containers": [{"name": "c", "env": [{"name": "X", "value": "1"}]}]}}},
+    "spec": {
+        "replicas": 2,
+        "template": {"spec": {"containers": [{"name": "c", "env": [{"name": "X", "value": "1"}]}]}},
+    },
 }
 
 

@@ -32,7 +32,9 @@ def _env(workload_pod_template: dict) -> dict[str, dict]:
     return {e["name"]: e for e in workload_pod_template["spec"]["containers"][0]["env"]}
 
 
-def _status_where(cluster: KMockCluster, ns: str, name: str, pred, timeout: float = 15, message: str = "") -> dict:
+def _status_where(
+    cluster: KMockCluster, ns: str, name: str, pred, timeout: float = 15, message: str = ""
+) -> dict:
     def check():
         obj = cluster.obj(IM, ns, name)
         return obj if obj and pred(obj) else None
@@ -47,7 +49,8 @@ def _events(cluster: KMockCluster, ns: str, reason: str | None = None) -> list[d
 
 def _operator_writes(cluster: KMockCluster, plural: str | None = None, method: str | None = None) -> list:
     return [
-        r for r in cluster.requests(plural=plural, method=method, agent=kube.USER_AGENT)
+        r
+        for r in cluster.requests(plural=plural, method=method, agent=kube.USER_AGENT)
         if str(getattr(r.method, "value", r.method)).upper() in WRITES
     ]
 
@@ -55,15 +58,27 @@ def _operator_writes(cluster: KMockCluster, plural: str | None = None, method: s
 def test_create_builds_workload_service_and_pdb(cluster, namespace, start_operator, kubelet):
     start_operator()
     api = cluster.client()
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model(
-        "llama", namespace,
-        model={"source": "gs://bucket/llama-3-8b", "servedName": "llama-3-8b"},
-        engine={"driver": "odriver", "maxConcurrentDecodes": 64, "maxLength": 4096,
-                "prefillLengths": [256, 1024, 4096], "pageSize": 128, "hbmUtilization": 0.85, "dtype": "bfloat16"},
-        tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"},
-        tracing={"endpoint": "http://otel-collector:4317", "samplingRatio": 0.25},
-        env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
-    ))
+    api.create(
+        kube.INFERENCE_MODEL,
+        namespace,
+        inference_model(
+            "llama",
+            namespace,
+            model={"source": "gs://bucket/llama-3-8b", "servedName": "llama-3-8b"},
+            engine={
+                "driver": "odriver",
+                "maxConcurrentDecodes": 64,
+                "maxLength": 4096,
+                "prefillLengths": [256, 1024, 4096],
+                "pageSize": 128,
+                "hbmUtilization": 0.85,
+                "dtype": "bfloat16",
+            },
+            tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"},
+            tracing={"endpoint": "http://otel-collector:4317", "samplingRatio": 0.25},
+            env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+        ),
+    )
     dep = wait_for(lambda: cluster.obj(DEP, namespace, "llama"), message="Deployment created")
     svc = wait_for(lambda: cluster.obj(SVC, namespace, "llama"), message="Service created")
     pdb = wait_for(lambda: cluster.obj(PDB, namespace, "llama"), message="PDB created")
@@ -71,10 +86,16 @@ def test_create_builds_workload_service_and_pdb(cluster, namespace, start_operat
 
     # Owner references with the InferenceModel's uid on everything (garbage collection).
     for obj in (dep, svc, pdb):
-        assert obj["metadata"]["ownerReferences"] == [{
-            "apiVersion": "vsurge.io/v1alpha1", "kind": "InferenceModel", "name": "llama",
-            "uid": im["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True,
-        }]
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "vsurge.io/v1alpha1",
+                "kind": "InferenceModel",
+                "name": "llama",
+                "uid": im["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
 
     pod = dep["spec"]["template"]
     spec = pod["spec"]
@@ -90,12 +111,22 @@ def test_create_builds_workload_service_and_pdb(cluster, namespace, start_operat
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 11556, "metrics": 11557}
     env = _env(pod)
     expected = {
-        "VSURGE_MODEL": "gs://bucket/llama-3-8b", "VSURGE_SERVED_MODEL_NAME": "llama-3-8b",
-        "VSURGE_DRIVER": "odriver", "VSURGE_MAX_CONCURRENT_DECODES": "64", "VSURGE_MAX_LENGTH": "4096",
-        "VSURGE_PREFILL_LENGTHS": "256,1024,4096", "VSURGE_PAGE_SIZE": "128", "VSURGE_HBM_UTILIZATION": "0.85",
-        "VSURGE_MESH": "tp=8", "VSURGE_DTYPE": "bfloat16", "VSURGE_HOST": "0.0.0.0", "VSURGE_PORT": "11556",
-        "VSURGE_METRICS_PORT": "11557", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4317",
-        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
+        "VSURGE_MODEL": "gs://bucket/llama-3-8b",
+        "VSURGE_SERVED_MODEL_NAME": "llama-3-8b",
+        "VSURGE_DRIVER": "odriver",
+        "VSURGE_MAX_CONCURRENT_DECODES": "64",
+        "VSURGE_MAX_LENGTH": "4096",
+        "VSURGE_PREFILL_LENGTHS": "256,1024,4096",
+        "VSURGE_PAGE_SIZE": "128",
+        "VSURGE_HBM_UTILIZATION": "0.85",
+        "VSURGE_MESH": "tp=8",
+        "VSURGE_DTYPE": "bfloat16",
+        "VSURGE_HOST": "0.0.0.0",
+        "VSURGE_PORT": "11556",
+        "VSURGE_METRICS_PORT": "11557",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4317",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.25",
         "OTEL_PROPAGATORS": "tracecontext,baggage",
     }
     assert {k: env[k]["value"] for k in expected} == expected
@@ -114,36 +145,57 @@ def test_create_builds_workload_service_and_pdb(cluster, namespace, start_operat
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"http": 11556, "metrics": 11557}
 
     # Status, once the fake kubelet reports the pod ready.
-    im = _status_where(cluster, namespace, "llama", lambda o: condition(o, "Ready").get("status") == "True",
-                       message="Ready=True")
+    im = _status_where(
+        cluster,
+        namespace,
+        "llama",
+        lambda o: condition(o, "Ready").get("status") == "True",
+        message="Ready=True",
+    )
     st = im["status"]
     assert st["endpoint"] == "http://llama.models.svc.cluster.local:11556"
     assert st["readyReplicas"] == 1 and st["desiredReplicas"] == 1 and st["observedGeneration"] == 1
     assert st["selector"] == "app.kubernetes.io/name=vsurge-server,vsurge.io/model=llama"
-    im = _status_where(cluster, namespace, "llama", lambda o: condition(o, "Progressing").get("status") == "False")
+    im = _status_where(
+        cluster, namespace, "llama", lambda o: condition(o, "Progressing").get("status") == "False"
+    )
     assert condition(im, "Progressing")["reason"] == "Stable"
     assert condition(im, "Degraded")["status"] == "False"
 
     created = {e["message"] for e in _events(cluster, namespace, "Created")}
-    assert created >= {"Created Deployment llama", "Created Service llama", "Created PodDisruptionBudget llama"}
+    assert created >= {
+        "Created Deployment llama",
+        "Created Service llama",
+        "Created PodDisruptionBudget llama",
+    }
     assert not cluster.requests(method="PUT")
 
 
 def test_update_patches_in_place(cluster, namespace, start_operator):
     start_operator()
     api = cluster.client()
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model(
-        "qwen", namespace, engine={"maxLength": 2048},
-        tracing={"endpoint": "http://otel:4317"},
-    ))
+    api.create(
+        kube.INFERENCE_MODEL,
+        namespace,
+        inference_model(
+            "qwen",
+            namespace,
+            engine={"maxLength": 2048},
+            tracing={"endpoint": "http://otel:4317"},
+        ),
+    )
     dep = wait_for(lambda: cluster.obj(DEP, namespace, "qwen"), message="Deployment created")
     uid = dep["metadata"]["uid"]
     assert _env(dep["spec"]["template"])["VSURGE_MAX_LENGTH"]["value"] == "2048"
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" in _env(dep["spec"]["template"])
 
     # A user edit: longer context, two replicas, tracing switched off (fields must be removed, too).
-    api.patch(kube.INFERENCE_MODEL, namespace, "qwen",
-              {"spec": {"engine": {"maxLength": 8192}, "replicas": 2, "tracing": None}})
+    api.patch(
+        kube.INFERENCE_MODEL,
+        namespace,
+        "qwen",
+        {"spec": {"engine": {"maxLength": 8192}, "replicas": 2, "tracing": None}},
+    )
 
     def updated():
         d = cluster.obj(DEP, namespace, "qwen")
@@ -157,8 +209,16 @@ def test_update_patches_in_place(cluster, namespace, start_operator):
     assert len(_operator_writes(cluster, "deployments", "POST")) == 1
     assert not _operator_writes(cluster, "deployments", "DELETE")
     assert _operator_writes(cluster, "deployments", "PATCH")
-    _status_where(cluster, namespace, "qwen", lambda o: o.get("status", {}).get("observedGeneration") == 2
-                  and o.get("status", {}).get("desiredReplicas") == 2, message="observedGeneration 2")
+    _status_where(
+        cluster,
+        namespace,
+        "qwen",
+        lambda o: (
+            o.get("status", {}).get("observedGeneration") == 2
+            and o.get("status", {}).get("desiredReplicas") == 2
+        ),
+        message="observedGeneration 2",
+    )
     assert not cluster.requests(method="PUT")
 
     # Deleting the model: kopf's finalizer (for the timer and the daemon) is released, the object goes.
@@ -171,7 +231,9 @@ def test_steady_state_writes_nothing_and_timer_repairs_drift(cluster, namespace,
     api = cluster.client()
     api.create(kube.INFERENCE_MODEL, namespace, inference_model("gemma", namespace))
     dep = wait_for(lambda: cluster.obj(DEP, namespace, "gemma"), message="Deployment created")
-    _status_where(cluster, namespace, "gemma", lambda o: o.get("status", {}).get("endpoint"), message="status written")
+    _status_where(
+        cluster, namespace, "gemma", lambda o: o.get("status", {}).get("endpoint"), message="status written"
+    )
     time.sleep(1.0)  # let the creation settle
 
     # No write when nothing changed, although the timer reconciles twice a second.
@@ -189,7 +251,9 @@ def test_steady_state_writes_nothing_and_timer_repairs_drift(cluster, namespace,
 
     # A hand edit of the Deployment is reverted.
     api.patch(kube.DEPLOYMENT, namespace, "gemma", {"spec": {"replicas": 7}})
-    wait_for(lambda: cluster.obj(DEP, namespace, "gemma")["spec"]["replicas"] == 1, 10, message="drift reverted")
+    wait_for(
+        lambda: cluster.obj(DEP, namespace, "gemma")["spec"]["replicas"] == 1, 10, message="drift reverted"
+    )
     # ...and so is a deleted Service.
     api.delete(kube.SERVICE, namespace, "gemma")
     wait_for(lambda: cluster.obj(SVC, namespace, "gemma"), 10, message="Service recreated")
@@ -198,9 +262,16 @@ def test_steady_state_writes_nothing_and_timer_repairs_drift(cluster, namespace,
 def test_multi_host_topology_gets_a_leader_worker_set(cluster, namespace, start_operator):
     start_operator()
     api = cluster.client()
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model(
-        "big", namespace, tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4"}, replicas=2,
-    ))
+    api.create(
+        kube.INFERENCE_MODEL,
+        namespace,
+        inference_model(
+            "big",
+            namespace,
+            tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4"},
+            replicas=2,
+        ),
+    )
     lws = wait_for(lambda: cluster.obj(LWS, namespace, "big"), message="LeaderWorkerSet created")
     svc = wait_for(lambda: cluster.obj(SVC, namespace, "big"), message="Service created")
     pdb = wait_for(lambda: cluster.obj(PDB, namespace, "big"), message="PDB created")
@@ -219,21 +290,32 @@ def test_multi_host_topology_gets_a_leader_worker_set(cluster, namespace, start_
     assert "readinessProbe" not in template["workerTemplate"]["spec"]["containers"][0]
     assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     assert pdb["spec"]["maxUnavailable"] == 4
-    _status_where(cluster, namespace, "big", lambda o: o.get("status", {}).get("workloadKind") == "LeaderWorkerSet")
+    _status_where(
+        cluster, namespace, "big", lambda o: o.get("status", {}).get("workloadKind") == "LeaderWorkerSet"
+    )
 
     # Down to one host: a Deployment replaces the LeaderWorkerSet.
     api.patch(kube.INFERENCE_MODEL, namespace, "big", {"spec": {"tpu": {"topology": "2x4"}}})
     dep = wait_for(lambda: cluster.obj(DEP, namespace, "big"), message="Deployment created")
     wait_for(lambda: cluster.obj(LWS, namespace, "big") is None, message="LeaderWorkerSet deleted")
     assert dep["spec"]["replicas"] == 2
-    assert "leaderworkerset.sigs.k8s.io/worker-index" not in cluster.obj(SVC, namespace, "big")["spec"]["selector"]
-    _status_where(cluster, namespace, "big", lambda o: o.get("status", {}).get("workloadKind") == "Deployment")
+    assert (
+        "leaderworkerset.sigs.k8s.io/worker-index"
+        not in cluster.obj(SVC, namespace, "big")["spec"]["selector"]
+    )
+    _status_where(
+        cluster, namespace, "big", lambda o: o.get("status", {}).get("workloadKind") == "Deployment"
+    )
 
 
 def test_api_errors_are_retried(cluster, namespace, start_operator):
     from operator_harness import Fault
 
-    faults = [Fault("POST", "deployments", 500), Fault("POST", "services", 409), Fault("PATCH", "services", 503, agent=kube.USER_AGENT)]
+    faults = [
+        Fault("POST", "deployments", 500),
+        Fault("POST", "services", 409),
+        Fault("PATCH", "services", 503, agent=kube.USER_AGENT),
+    ]
     cluster.call(lambda: cluster.emulator.faults.extend(faults))
     # A long resync: recovery must come from the handler's own retry, not from the drift timer.
     start_operator(resync=60)
@@ -252,18 +334,33 @@ def test_api_errors_are_retried(cluster, namespace, start_operator):
     # Degraded was set while failing, and cleared once the reconcile went through.
     history = [v for v in cluster.history(IM, namespace, "mistral") if v]
     assert any(condition(v, "Degraded").get("status") == "True" for v in history)
-    _status_where(cluster, namespace, "mistral", lambda o: condition(o, "Degraded").get("status") == "False",
-                  message="Degraded cleared")
+    _status_where(
+        cluster,
+        namespace,
+        "mistral",
+        lambda o: condition(o, "Degraded").get("status") == "False",
+        message="Degraded cleared",
+    )
 
     # A failing PATCH (after a spec change) is retried as well.
     api.patch(kube.INFERENCE_MODEL, namespace, "mistral", {"spec": {"model": {"servedName": "mistral-7b"}}})
-    wait_for(lambda: _env(cluster.obj(DEP, namespace, "mistral")["spec"]["template"])
-             ["VSURGE_SERVED_MODEL_NAME"]["value"] == "mistral-7b", message="Deployment patched")
+    wait_for(
+        lambda: (
+            _env(cluster.obj(DEP, namespace, "mistral")["spec"]["template"])["VSURGE_SERVED_MODEL_NAME"][
+                "value"
+            ]
+            == "mistral-7b"
+        ),
+        message="Deployment patched",
+    )
     # A PATCH answered with 503 is retried too: a hand edit of the Service, then a spec change.
     api.patch(kube.SERVICE, namespace, "mistral", {"spec": {"type": "NodePort"}})
     api.patch(kube.INFERENCE_MODEL, namespace, "mistral", {"spec": {"replicas": 2}})
-    wait_for(lambda: cluster.obj(SVC, namespace, "mistral")["spec"]["type"] == "ClusterIP", 10,
-             message="Service patched after a 503")
+    wait_for(
+        lambda: cluster.obj(SVC, namespace, "mistral")["spec"]["type"] == "ClusterIP",
+        10,
+        message="Service patched after a 503",
+    )
     assert faults[2].hits == 1
 
 
@@ -271,11 +368,22 @@ def test_invalid_spec_is_degraded_and_creates_nothing(cluster, namespace, start_
     start_operator()
     api = cluster.client()
     # Passes the CRD's topology pattern, but v5e has no 4x4x4 slice.
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model(
-        "bad", namespace, tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4x4"},
-    ))
-    im = _status_where(cluster, namespace, "bad", lambda o: condition(o, "Degraded").get("status") == "True",
-                       message="Degraded=True")
+    api.create(
+        kube.INFERENCE_MODEL,
+        namespace,
+        inference_model(
+            "bad",
+            namespace,
+            tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4x4"},
+        ),
+    )
+    im = _status_where(
+        cluster,
+        namespace,
+        "bad",
+        lambda o: condition(o, "Degraded").get("status") == "True",
+        message="Degraded=True",
+    )
     degraded = condition(im, "Degraded")
     assert degraded["reason"] == "InvalidSpec"
     assert "spec.tpu.topology" in degraded["message"] and "4x4x4" in degraded["message"]
@@ -286,7 +394,9 @@ def test_invalid_spec_is_degraded_and_creates_nothing(cluster, namespace, start_
     for plural in ("deployments", "leaderworkersets", "services", "poddisruptionbudgets"):
         assert not cluster.objects(plural, namespace), plural
         assert not _operator_writes(cluster, plural)
-    assert len(_events(cluster, namespace, "InvalidSpec")) == len(invalid), "one Event per problem, not per resync"
+    assert len(_events(cluster, namespace, "InvalidSpec")) == len(invalid), (
+        "one Event per problem, not per resync"
+    )
 
     api.patch(kube.INFERENCE_MODEL, namespace, "bad", {"spec": {"tpu": {"topology": "2x2"}}})
     dep = wait_for(lambda: cluster.obj(DEP, namespace, "bad"), message="created once fixed")

@@ -24,9 +24,15 @@ TPU_4HOSTS = {"accelerator": "tpu-v6e-slice", "topology": "4x4"}
 
 MODELS = {
     "cpu": model(),
-    "tpu": model(tpu=TPU_1HOST, replicas=3, tracing={"endpoint": "http://otel:4317"},
-                 resources={"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}),
-    "pvc": model(model={"source": "pvc://weights/llama-3/8b"}, imagePullPolicy="Always", serviceAccountName="sa"),
+    "tpu": model(
+        tpu=TPU_1HOST,
+        replicas=3,
+        tracing={"endpoint": "http://otel:4317"},
+        resources={"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}},
+    ),
+    "pvc": model(
+        model={"source": "pvc://weights/llama-3/8b"}, imagePullPolicy="Always", serviceAccountName="sa"
+    ),
     "multi": model(tpu=TPU_4HOSTS, replicas=2, tolerations=[{"key": "spot", "operator": "Exists"}]),
 }
 
@@ -36,8 +42,12 @@ def env(m: spec.ModelSpec) -> dict[str, dict]:
 
 
 def pod_of(template: dict) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x", **template["metadata"]},
-            "spec": template["spec"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "x", **template["metadata"]},
+        "spec": template["spec"],
+    }
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -56,15 +66,25 @@ def test_objects_pass_the_kubernetes_schemas(name):
 def test_owner_labels_and_selectors_are_consistent(name):
     m = MODELS[name]
     workload, svc, pdb = manifests.desired_objects(m)
-    owner = {"apiVersion": "vsurge.io/v1alpha1", "kind": "InferenceModel", "name": "llama", "uid": "uid-1",
-             "controller": True, "blockOwnerDeletion": True}
+    owner = {
+        "apiVersion": "vsurge.io/v1alpha1",
+        "kind": "InferenceModel",
+        "name": "llama",
+        "uid": "uid-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
     for obj in (workload, svc, pdb):
         assert obj["metadata"]["ownerReferences"] == [owner]
         assert obj["metadata"]["name"] == "llama" and obj["metadata"]["namespace"] == "team"
         assert obj["metadata"]["labels"]["vsurge.io/model"] == "llama"
     templates = (
-        [workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"], workload["spec"]["leaderWorkerTemplate"]
-         ["workerTemplate"]] if workload["kind"] == "LeaderWorkerSet" else [workload["spec"]["template"]]
+        [
+            workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"],
+            workload["spec"]["leaderWorkerTemplate"]["workerTemplate"],
+        ]
+        if workload["kind"] == "LeaderWorkerSet"
+        else [workload["spec"]["template"]]
     )
     for t in templates:
         assert manifests.selector_labels(m).items() <= t["metadata"]["labels"].items()
@@ -87,14 +107,21 @@ def test_single_host_tpu_deployment():
     d = manifests.workload(m)
     assert d["kind"] == "Deployment" and d["spec"]["replicas"] == 3
     pod = d["spec"]["template"]["spec"]
-    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
-                                   "cloud.google.com/gke-tpu-topology": "2x4"}
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+        "cloud.google.com/gke-tpu-topology": "2x4",
+    }
     assert pod["tolerations"] == [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
     res = pod["containers"][0]["resources"]
-    assert res == {"requests": {"cpu": "4", "memory": "16Gi", "google.com/tpu": "8"},
-                   "limits": {"memory": "32Gi", "google.com/tpu": "8"}}
+    assert res == {
+        "requests": {"cpu": "4", "memory": "16Gi", "google.com/tpu": "8"},
+        "limits": {"memory": "32Gi", "google.com/tpu": "8"},
+    }
     assert env(m)["VSURGE_MESH"]["value"] == "tp=8"
-    assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    assert d["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
 
 
 def test_multi_host_leader_worker_set():
@@ -119,7 +146,9 @@ def test_multi_host_leader_worker_set():
 def test_pvc_source_is_mounted_read_only():
     m = MODELS["pvc"]
     pod = manifests.workload(m)["spec"]["template"]["spec"]
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod[
+        "volumes"
+    ]
     c = pod["containers"][0]
     assert {"name": "model", "mountPath": "/mnt/models", "readOnly": True} in c["volumeMounts"]
     assert env(m)["VSURGE_MODEL"]["value"] == "/mnt/models/llama-3/8b"
@@ -130,21 +159,42 @@ def test_pvc_source_is_mounted_read_only():
 def test_environment_contract():
     m = model(
         model={"source": "hf://Qwen/Qwen3-8B", "servedName": "qwen3"},
-        engine={"driver": "vdriver", "maxConcurrentDecodes": 32, "maxLength": 8192, "prefillLengths": [512, 8192],
-                "pageSize": 64, "hbmUtilization": 0.9, "dtype": "bfloat16", "mesh": "dp=2,tp=4"},
+        engine={
+            "driver": "vdriver",
+            "maxConcurrentDecodes": 32,
+            "maxLength": 8192,
+            "prefillLengths": [512, 8192],
+            "pageSize": 64,
+            "hbmUtilization": 0.9,
+            "dtype": "bfloat16",
+            "mesh": "dp=2,tp=4",
+        },
         tpu=TPU_1HOST,
         tracing={"endpoint": "http://otel:4317", "samplingRatio": 0.05, "serviceName": "qwen-serving"},
         env=[{"name": "VSURGE_DTYPE", "value": "float32"}, {"name": "EXTRA", "value": "1"}],
     )
     names = [e["name"] for e in manifests.env(m)]
     values = {e["name"]: e.get("value") for e in manifests.env(m)}
-    assert values | {
-        "VSURGE_MODEL": "hf://Qwen/Qwen3-8B", "VSURGE_SERVED_MODEL_NAME": "qwen3", "VSURGE_DRIVER": "vdriver",
-        "VSURGE_MAX_CONCURRENT_DECODES": "32", "VSURGE_MAX_LENGTH": "8192", "VSURGE_PREFILL_LENGTHS": "512,8192",
-        "VSURGE_PAGE_SIZE": "64", "VSURGE_HBM_UTILIZATION": "0.9", "VSURGE_MESH": "dp=2,tp=4",
-        "VSURGE_HOST": "0.0.0.0", "VSURGE_PORT": "11556", "VSURGE_METRICS_PORT": "11557",
-        "OTEL_SERVICE_NAME": "qwen-serving", "OTEL_TRACES_SAMPLER_ARG": "0.05",
-    } == values
+    assert (
+        values
+        | {
+            "VSURGE_MODEL": "hf://Qwen/Qwen3-8B",
+            "VSURGE_SERVED_MODEL_NAME": "qwen3",
+            "VSURGE_DRIVER": "vdriver",
+            "VSURGE_MAX_CONCURRENT_DECODES": "32",
+            "VSURGE_MAX_LENGTH": "8192",
+            "VSURGE_PREFILL_LENGTHS": "512,8192",
+            "VSURGE_PAGE_SIZE": "64",
+            "VSURGE_HBM_UTILIZATION": "0.9",
+            "VSURGE_MESH": "dp=2,tp=4",
+            "VSURGE_HOST": "0.0.0.0",
+            "VSURGE_PORT": "11556",
+            "VSURGE_METRICS_PORT": "11557",
+            "OTEL_SERVICE_NAME": "qwen-serving",
+            "OTEL_TRACES_SAMPLER_ARG": "0.05",
+        }
+        == values
+    )
     # The user's VSURGE_DTYPE replaced ours in place; downward API variables come before their users.
     assert values["VSURGE_DTYPE"] == "float32" and names.count("VSURGE_DTYPE") == 1
     assert names.index("VSURGE_DTYPE") < names.index("VSURGE_CACHE_DIR") and names[-1] == "EXTRA"
@@ -166,10 +216,14 @@ def test_service_pdb_endpoint_and_selector_string():
 
 @pytest.mark.parametrize(
     ("overrides", "expected"),
-    [({}, 1), ({"replicas": 4}, 4), ({"replicas": 0}, 0),
-     ({"autoscaling": {"enabled": True, "minReplicas": 2}}, 2),
-     ({"autoscaling": {"enabled": True, "minReplicas": 2}, "replicas": 5}, 5),
-     ({"autoscaling": {"enabled": False, "minReplicas": 2}}, 1)],
+    [
+        ({}, 1),
+        ({"replicas": 4}, 4),
+        ({"replicas": 0}, 0),
+        ({"autoscaling": {"enabled": True, "minReplicas": 2}}, 2),
+        ({"autoscaling": {"enabled": True, "minReplicas": 2}, "replicas": 5}, 5),
+        ({"autoscaling": {"enabled": False, "minReplicas": 2}}, 1),
+    ],
 )
 def test_desired_replicas(overrides, expected):
     m = model(**overrides)

@@ -59,18 +59,40 @@ def test_every_operator_call_is_allowed_by_the_chart(cluster, namespace, start_o
     board.occupancy = 0.95
     start_operator()
     api = cluster.client()
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model("rbac", namespace, autoscaling={
-        "enabled": True, "minReplicas": 1, "maxReplicas": 2, "target": 0.5, "intervalSeconds": 1,
-        "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 60,
-    }))
+    api.create(
+        kube.INFERENCE_MODEL,
+        namespace,
+        inference_model(
+            "rbac",
+            namespace,
+            autoscaling={
+                "enabled": True,
+                "minReplicas": 1,
+                "maxReplicas": 2,
+                "target": 0.5,
+                "intervalSeconds": 1,
+                "scaleUpStabilizationSeconds": 0,
+                "scaleDownStabilizationSeconds": 60,
+            },
+        ),
+    )
     wait_for(lambda: cluster.obj(DEP, namespace, "rbac"), message="Deployment created")
-    wait_for(lambda: (cluster.obj(IM, namespace, "rbac") or {}).get("spec", {}).get("replicas") == 2, 20,
-             message="scaled through /scale")
+    wait_for(
+        lambda: (cluster.obj(IM, namespace, "rbac") or {}).get("spec", {}).get("replicas") == 2,
+        20,
+        message="scaled through /scale",
+    )
     api.delete(kube.DEPLOYMENT, namespace, "rbac")
     wait_for(lambda: cluster.obj(DEP, namespace, "rbac"), 20, message="Deployment recreated")
-    api.patch(kube.INFERENCE_MODEL, namespace, "rbac",
-              {"spec": {"tpu": {"accelerator": "tpu-v5-lite-podslice", "topology": "4x4"}}})
-    wait_for(lambda: cluster.obj(LWS, namespace, "rbac"), 20, message="LeaderWorkerSet for a multi-host slice")
+    api.patch(
+        kube.INFERENCE_MODEL,
+        namespace,
+        "rbac",
+        {"spec": {"tpu": {"accelerator": "tpu-v5-lite-podslice", "topology": "4x4"}}},
+    )
+    wait_for(
+        lambda: cluster.obj(LWS, namespace, "rbac"), 20, message="LeaderWorkerSet for a multi-host slice"
+    )
 
     perms = tables.expected_operator([namespace])
     seen, denied = set(), []
@@ -90,6 +112,11 @@ def test_every_operator_call_is_allowed_by_the_chart(cluster, namespace, start_o
             denied.append((group, resource, verb, r.namespace))
     assert not denied, f"calls the chart's RBAC would refuse: {sorted(set(denied))}"
     # the scenario exercised the operator's own rows, so the check above had something to check
-    for must in [("vsurge.io", "inferencemodels/scale", "patch"), ("apps", "deployments", "create"),
-                 ("", "pods", "list"), ("", "events", "create"), ("vsurge.io", "inferencemodels/status", "patch")]:
+    for must in [
+        ("vsurge.io", "inferencemodels/scale", "patch"),
+        ("apps", "deployments", "create"),
+        ("", "pods", "list"),
+        ("", "events", "create"),
+        ("vsurge.io", "inferencemodels/status", "patch"),
+    ]:
         assert must in seen, f"{must} never called; seen: {sorted(seen)}"

@@ -49,11 +49,15 @@ def test_reconcile_creates_then_writes_nothing(cluster, namespace, spans):
     api = cluster.client()
     events = Events()
     r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), events)
-    body = _create(cluster, api, inference_model("m", namespace, tpu={"accelerator": "tpu-v6e-slice",
-                                                                      "topology": "2x2"}))
+    body = _create(
+        cluster, api, inference_model("m", namespace, tpu={"accelerator": "tpu-v6e-slice", "topology": "2x2"})
+    )
     out = r.reconcile(body)
     assert [(a.kind, a.action) for a in out.applied] == [
-        ("Deployment", "created"), ("Service", "created"), ("PodDisruptionBudget", "created")]
+        ("Deployment", "created"),
+        ("Service", "created"),
+        ("PodDisruptionBudget", "created"),
+    ]
     assert events.reasons() == ["Created", "Created", "Created"]
     assert out.status_patch and out.status_patch["workloadKind"] == "Deployment"
 
@@ -76,8 +80,11 @@ def test_invalid_spec_reports_once(cluster, namespace, spans):
     api = cluster.client()
     events = Events()
     r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), events)
-    body = _create(cluster, api, inference_model("m", namespace, engine={"maxLength": 512,
-                                                                         "prefillLengths": [256, 1024]}))
+    body = _create(
+        cluster,
+        api,
+        inference_model("m", namespace, engine={"maxLength": 512, "prefillLengths": [256, 1024]}),
+    )
     out = r.reconcile(body)
     assert [e.field for e in out.errors] == ["spec.engine.prefillLengths"]
     assert events.reasons() == ["InvalidSpec"]
@@ -91,8 +98,16 @@ def test_invalid_spec_reports_once(cluster, namespace, spans):
 
 def test_foreign_object_is_never_taken_over(cluster, namespace):
     api = cluster.client()
-    api.create(kube.SERVICE, namespace, {"apiVersion": "v1", "kind": "Service",
-                                         "metadata": {"name": "m", "namespace": namespace}, "spec": {"ports": []}})
+    api.create(
+        kube.SERVICE,
+        namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "m", "namespace": namespace},
+            "spec": {"ports": []},
+        },
+    )
     r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), Events())
     body = _create(cluster, api, inference_model("m", namespace))
     with pytest.raises(apply.OwnershipConflict):
@@ -120,8 +135,11 @@ def test_workload_kind_switch_removes_the_old_one(cluster, namespace):
     api = cluster.client()
     events = Events()
     r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), events)
-    body = _create(cluster, api, inference_model("m", namespace, tpu={"accelerator": "tpu-v5p-slice",
-                                                                      "topology": "2x2x2"}))
+    body = _create(
+        cluster,
+        api,
+        inference_model("m", namespace, tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x2"}),
+    )
     r.reconcile(body)
     assert cluster.obj("leaderworkerset.x-k8s.io/v1/leaderworkersets", namespace, "m")
     api.patch(kube.INFERENCE_MODEL, namespace, "m", {"spec": {"tpu": {"topology": "2x2x1"}}})
@@ -135,26 +153,50 @@ def test_missing_leader_worker_set_api_is_explained(cluster, namespace):
     cluster.call(lambda: cluster.emulator.faults.append(Fault("POST", "leaderworkersets", 404)))
     api = cluster.client()
     r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), Events())
-    body = _create(cluster, api, inference_model("m", namespace, tpu={"accelerator": "tpu-v5p-slice",
-                                                                      "topology": "2x2x2"}))
+    body = _create(
+        cluster,
+        api,
+        inference_model("m", namespace, tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x2"}),
+    )
     with pytest.raises(reconcile.MissingApi, match="install LWS"):
         r.reconcile(body)
 
 
 def _add_pod(api: kube.Kube, m: spec.ModelSpec, name: str, port: int) -> None:
-    api.create(kube.POD, m.namespace, {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": m.namespace, "labels": manifests.labels(m)},
-        "spec": {"containers": [{"name": "server", "image": "i", "ports": [{"name": "metrics", "containerPort": port}]}]},
-        "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
-    })
+    api.create(
+        kube.POD,
+        m.namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": m.namespace, "labels": manifests.labels(m)},
+            "spec": {
+                "containers": [
+                    {"name": "server", "image": "i", "ports": [{"name": "metrics", "containerPort": port}]}
+                ]
+            },
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        },
+    )
 
 
 def test_autoscaler_step_scales_through_the_scale_subresource(cluster, namespace, spans):
     api = cluster.client()
     events = Events()
-    body = _create(cluster, api, inference_model("m", namespace, replicas=2, autoscaling={
-        "enabled": True, "minReplicas": 1, "maxReplicas": 5, "target": 0.5}))
+    body = _create(
+        cluster,
+        api,
+        inference_model(
+            "m",
+            namespace,
+            replicas=2,
+            autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 5, "target": 0.5},
+        ),
+    )
     m = spec.parse(body)
     board = MetricsBoard(occupancy=0.9, queue=1)
     servers = [PodMetricsServer(board, m.served_name, f"m-{i}") for i in range(2)]
@@ -162,9 +204,16 @@ def test_autoscaler_step_scales_through_the_scale_subresource(cluster, namespace
         for i, s in enumerate(servers):
             _add_pod(api, m, f"m-{i}", s.port)
         # A pod of another model in the same namespace (label selectors are ignored by KMock).
-        api.create(kube.POD, namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": "other", "namespace": namespace, "labels": {"vsurge.io/model": "other"}},
-            "status": {"phase": "Running", "podIP": "127.0.0.1"}})
+        api.create(
+            kube.POD,
+            namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "other", "namespace": namespace, "labels": {"vsurge.io/model": "other"}},
+                "status": {"phase": "Running", "podIP": "127.0.0.1"},
+            },
+        )
         scaler = scaling.ModelAutoscaler(kube.Kube(api.api), OperatorConfig(), events)
         decision = asyncio.run(scaler.step(body, now=1000.0))
     finally:
@@ -176,7 +225,10 @@ def test_autoscaler_step_scales_through_the_scale_subresource(cluster, namespace
     assert stored["spec"]["replicas"] == 4
     assert cluster.requests(method="PATCH", plural="inferencemodels", subresource="scale")
     assert stored["status"]["occupancy"] == 0.9 and stored["status"]["prefillQueue"] == 1
-    assert stored["status"]["autoscaler"]["reason"] == "ScaleUp" and "lastScaleTime" in stored["status"]["autoscaler"]
+    assert (
+        stored["status"]["autoscaler"]["reason"] == "ScaleUp"
+        and "lastScaleTime" in stored["status"]["autoscaler"]
+    )
     assert events[-1][:2] == ("Normal", "ScaledUp") and "2 -> 4" in events[-1][2]
     (s,) = spans.get_finished_spans()
     assert s.name == "vsurge.autoscale"
@@ -187,12 +239,22 @@ def test_autoscaler_step_scales_through_the_scale_subresource(cluster, namespace
 
 def test_autoscaler_keeps_history_consistent_when_scaling_fails(cluster, namespace):
     api = cluster.client()
-    body = _create(cluster, api, inference_model("m", namespace, replicas=1, autoscaling={
-        "enabled": True, "minReplicas": 1, "maxReplicas": 5, "target": 0.5}))
+    body = _create(
+        cluster,
+        api,
+        inference_model(
+            "m",
+            namespace,
+            replicas=1,
+            autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 5, "target": 0.5},
+        ),
+    )
     m = spec.parse(body)
     board = MetricsBoard(occupancy=1.0)
     server = PodMetricsServer(board, m.served_name, "m-0")
-    cluster.call(lambda: cluster.emulator.faults.append(Fault("PATCH", "inferencemodels", 500, subresource="scale")))
+    cluster.call(
+        lambda: cluster.emulator.faults.append(Fault("PATCH", "inferencemodels", 500, subresource="scale"))
+    )
     try:
         _add_pod(api, m, "m-0", server.port)
         scaler = scaling.ModelAutoscaler(kube.Kube(api.api), OperatorConfig(), Events())

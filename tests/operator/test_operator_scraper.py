@@ -37,22 +37,38 @@ def test_parse_value_prefers_the_model_label():
 
 @pytest.mark.parametrize(
     "text",
-    ["", "vsurge_requests_total 1\n", "vsurge_slot_occupancy NaN\n", "vsurge_slot_occupancy +Inf\n",
-     "this is { not prometheus\n"],
+    [
+        "",
+        "vsurge_requests_total 1\n",
+        "vsurge_slot_occupancy NaN\n",
+        "vsurge_slot_occupancy +Inf\n",
+        "this is { not prometheus\n",
+    ],
 )
 def test_parse_value_returns_none_when_absent_or_broken(text):
     assert scraper.parse_value(text, "vsurge_slot_occupancy", "llama") is None
 
 
-def pod(name: str, *, ready: bool = True, ip: str | None = "10.0.0.1", phase: str = "Running",
-        labels: dict[str, str] | None = None, port: int | None = 9100, deleting: bool = False) -> dict[str, Any]:
+def pod(
+    name: str,
+    *,
+    ready: bool = True,
+    ip: str | None = "10.0.0.1",
+    phase: str = "Running",
+    labels: dict[str, str] | None = None,
+    port: int | None = 9100,
+    deleting: bool = False,
+) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "labels": dict(SELECTOR if labels is None else labels)}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     ports = [{"name": "http", "containerPort": 11556}]
     if port is not None:
         ports.append({"name": "metrics", "containerPort": port})
-    status: dict[str, Any] = {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    status: dict[str, Any] = {
+        "phase": phase,
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+    }
     if ip:
         status["podIP"] = ip
     return {"metadata": meta, "spec": {"containers": [{"name": "server", "ports": ports}]}, "status": status}
@@ -121,7 +137,9 @@ def test_scrape_real_servers():
     by_pod = {r.pod: r for r in results}
     assert by_pod["good"].values == {"vsurge_slot_occupancy": 0.6, "vsurge_prefill_queue_size": 2}
     assert by_pod["silent"].ready and by_pod["silent"].values == {
-        "vsurge_slot_occupancy": None, "vsurge_prefill_queue_size": None}
+        "vsurge_slot_occupancy": None,
+        "vsurge_prefill_queue_size": None,
+    }
     assert by_pod["failing"].ready and by_pod["failing"].values == {}
     assert by_pod["dead"].ready and by_pod["dead"].values == {}
     assert not by_pod["unready"].ready

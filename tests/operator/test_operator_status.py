@@ -16,8 +16,13 @@ def model(**overrides: Any) -> spec.ModelSpec:
 
 
 def workload(replicas: int, ready: int, updated: int | None = None) -> dict[str, Any]:
-    return {"status": {"replicas": replicas, "readyReplicas": ready,
-                       "updatedReplicas": replicas if updated is None else updated}}
+    return {
+        "status": {
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": replicas if updated is None else updated,
+        }
+    }
 
 
 def conds(st: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -27,22 +32,69 @@ def conds(st: dict[str, Any]) -> dict[str, tuple[str, str]]:
 @pytest.mark.parametrize(
     ("m", "w", "expected"),
     [
-        (model(replicas=2), workload(2, 2), {"Ready": ("True", "Serving"), "Progressing": ("False", "Stable"),
-                                             "Degraded": ("False", "AsExpected")}),
-        (model(replicas=2), workload(1, 0), {"Ready": ("False", "NoReplicasReady"),
-                                             "Progressing": ("True", "RollingOut"),
-                                             "Degraded": ("False", "AsExpected")}),
-        (model(replicas=3), workload(3, 2), {"Ready": ("True", "Serving"), "Progressing": ("True", "RollingOut"),
-                                             "Degraded": ("False", "AsExpected")}),
-        (model(replicas=2), workload(2, 2, updated=1), {"Ready": ("True", "Serving"),
-                                                        "Progressing": ("True", "RollingOut"),
-                                                        "Degraded": ("False", "AsExpected")}),
-        (model(replicas=1), workload(3, 3), {"Ready": ("True", "Serving"), "Progressing": ("True", "ScalingDown"),
-                                             "Degraded": ("False", "AsExpected")}),
-        (model(replicas=0), workload(0, 0), {"Ready": ("False", "ScaledToZero"), "Progressing": ("False", "Stable"),
-                                             "Degraded": ("False", "AsExpected")}),
-        (model(), None, {"Ready": ("False", "NoReplicasReady"), "Progressing": ("True", "RollingOut"),
-                         "Degraded": ("False", "AsExpected")}),
+        (
+            model(replicas=2),
+            workload(2, 2),
+            {
+                "Ready": ("True", "Serving"),
+                "Progressing": ("False", "Stable"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            model(replicas=2),
+            workload(1, 0),
+            {
+                "Ready": ("False", "NoReplicasReady"),
+                "Progressing": ("True", "RollingOut"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            model(replicas=3),
+            workload(3, 2),
+            {
+                "Ready": ("True", "Serving"),
+                "Progressing": ("True", "RollingOut"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            model(replicas=2),
+            workload(2, 2, updated=1),
+            {
+                "Ready": ("True", "Serving"),
+                "Progressing": ("True", "RollingOut"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            model(replicas=1),
+            workload(3, 3),
+            {
+                "Ready": ("True", "Serving"),
+                "Progressing": ("True", "ScalingDown"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            model(replicas=0),
+            workload(0, 0),
+            {
+                "Ready": ("False", "ScaledToZero"),
+                "Progressing": ("False", "Stable"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
+        (
+            model(),
+            None,
+            {
+                "Ready": ("False", "NoReplicasReady"),
+                "Progressing": ("True", "RollingOut"),
+                "Degraded": ("False", "AsExpected"),
+            },
+        ),
     ],
 )
 def test_reconciled_conditions(m, w, expected):

@@ -21,9 +21,18 @@ VALID = [
     body(model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct", "servedName": "llama-3.1-8b"}),
     body(model={"source": "pvc://weights/llama/8b"}, tpu={"accelerator": "tpu-v6e-slice", "topology": "2x4"}),
     body(
-        engine={"driver": "odriver", "maxConcurrentDecodes": 64, "maxLength": 4096, "prefillLengths": [256, 1024, 4096],
-                "pageSize": 128, "hbmUtilization": 0.85, "dtype": "bfloat16", "mesh": "dp=2,tp=4"},
-        tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"}, replicas=2,
+        engine={
+            "driver": "odriver",
+            "maxConcurrentDecodes": 64,
+            "maxLength": 4096,
+            "prefillLengths": [256, 1024, 4096],
+            "pageSize": 128,
+            "hbmUtilization": 0.85,
+            "dtype": "bfloat16",
+            "mesh": "dp=2,tp=4",
+        },
+        tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"},
+        replicas=2,
         autoscaling={"enabled": True, "minReplicas": 0, "maxReplicas": 8, "target": 0.7},
         tracing={"endpoint": "http://otel-collector:4317", "samplingRatio": 0.1},
         resources={"requests": {"cpu": "8", "memory": "32Gi", "google.com/tpu": 8}},
@@ -101,14 +110,18 @@ BAD = [
     ("spec.autoscaling.scaleDownPercent", _with("spec.autoscaling", {"scaleDownPercent": 150})),
     ("spec.tracing.endpoint", _with("spec.tracing", {"endpoint": "otel:4317"})),
     ("spec.tracing.samplingRatio", _with("spec.tracing", {"endpoint": "http://o:4317", "samplingRatio": 2})),
-    ("spec.resources.limits.google.com/tpu",
-     _with("spec.resources", {"limits": {"google.com/tpu": 4}}, _with("spec.tpu", TPU))),
+    (
+        "spec.resources.limits.google.com/tpu",
+        _with("spec.resources", {"limits": {"google.com/tpu": 4}}, _with("spec.tpu", TPU)),
+    ),
     ("spec.resources.requests.cpu", _with("spec.resources", {"requests": {"cpu": [1]}})),
     ("spec.env[0]", _with("spec.env", [{"value": "x"}])),
     ("spec.env[0].name", _with("spec.env", [{"name": "1=bad"}])),
     ("spec.env", _with("spec.env", {"A": "b"})),
-    ("spec.nodeSelector.cloud.google.com/gke-tpu-topology",
-     _with("spec.nodeSelector", {"cloud.google.com/gke-tpu-topology": "4x4"}, _with("spec.tpu", TPU))),
+    (
+        "spec.nodeSelector.cloud.google.com/gke-tpu-topology",
+        _with("spec.nodeSelector", {"cloud.google.com/gke-tpu-topology": "4x4"}, _with("spec.tpu", TPU)),
+    ),
     ("spec.tolerations", _with("spec.tolerations", ["NoSchedule"])),
     ("spec.serviceAccountName", _with("spec.serviceAccountName", "Not_Valid")),
 ]
@@ -128,7 +141,9 @@ def test_default_image_makes_image_optional():
 
 
 def test_all_problems_are_reported_at_once():
-    b = body(replicas=-1, engine={"dtype": "int8", "driver": "x"}, tpu={"accelerator": "nope", "topology": "1x1"})
+    b = body(
+        replicas=-1, engine={"dtype": "int8", "driver": "x"}, tpu={"accelerator": "nope", "topology": "1x1"}
+    )
     fields = [e.field for e in validation.validate(b)]
     assert fields == ["spec.replicas", "spec.engine.driver", "spec.engine.dtype", "spec.tpu.accelerator"]
     assert validation.format_errors(validation.validate(b)).count(";") == 3

@@ -43,10 +43,14 @@ def start_router(tmp_path: Path) -> Iterator[Callable[..., RunningRouter]]:
 
     running: list[RunningRouter] = []
 
-    def start(models: dict[str, list[str]] | None = None, *, api_client: Any = None, **config: Any) -> RunningRouter:
+    def start(
+        models: dict[str, list[str]] | None = None, *, api_client: Any = None, **config: Any
+    ) -> RunningRouter:
         if models is not None:
             path = tmp_path / f"static-{len(running)}.yaml"
-            path.write_text(yaml.safe_dump({"models": [{"name": n, "upstreams": u} for n, u in models.items()]}))
+            path.write_text(
+                yaml.safe_dump({"models": [{"name": n, "upstreams": u} for n, u in models.items()]})
+            )
             config.setdefault("static_config", str(path))
             config.setdefault("kubernetes", api_client is not None)
         config.setdefault("host", "127.0.0.1")
@@ -100,5 +104,3 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         yield c
     finally:
         c.stop()
-
-

@@ -42,7 +42,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "") -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = ""
+) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -63,8 +65,13 @@ class ThreadedServer:
         # A router runs as `vsurge route` runs it: no Server header, and no proxy_headers (the router
         # appends the peer to X-Forwarded-For itself).
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-            proxy_headers=not as_router, server_header=not as_router,
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            proxy_headers=not as_router,
+            server_header=not as_router,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -123,15 +130,32 @@ class FakeUpstream:
     async def handle(self, request: Request) -> Response:
         body = await request.body()
         payload = json.loads(body) if body else {}
-        self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": payload,
-                              "query": request.url.query})
+        self.requests.append(
+            {
+                "path": request.url.path,
+                "headers": dict(request.headers),
+                "body": payload,
+                "query": request.url.query,
+            }
+        )
         if self.status != 200:
-            return JSONResponse({"error": {"message": f"{self.name} says {self.status}", "type": "server_error",
-                                           "param": None, "code": None}}, self.status, headers={"Retry-After": "1"})
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"{self.name} says {self.status}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                self.status,
+                headers={"Retry-After": "1"},
+            )
         model = payload.get("model")
         if request.url.path == "/v1/chat/completions" and payload.get("stream"):
-            return StreamingResponse(self._stream(model), media_type="text/event-stream",
-                                     headers={"x-upstream": self.name})
+            return StreamingResponse(
+                self._stream(model), media_type="text/event-stream", headers={"x-upstream": self.name}
+            )
         self.open += 1
         try:
             await self._wait_gate(request)
@@ -141,19 +165,37 @@ class FakeUpstream:
         finally:
             self.open -= 1
         if request.url.path == "/v1/chat/completions":
-            return JSONResponse({
-                "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": model,
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": f"hello from {self.name}"}}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
-            }, headers={"x-upstream": self.name})
-        return JSONResponse({"upstream": self.name, "path": request.url.path, "model": model},
-                            headers={"x-upstream": self.name})
+            return JSONResponse(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "created": 1,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": f"hello from {self.name}"},
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+                },
+                headers={"x-upstream": self.name},
+            )
+        return JSONResponse(
+            {"upstream": self.name, "path": request.url.path, "model": model},
+            headers={"x-upstream": self.name},
+        )
 
     async def _stream(self, model: str) -> AsyncIterator[bytes]:
         def event(content: str, finish: str | None = None) -> bytes:
-            chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": model,
-                     "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]}
+            chunk = {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": model,
+                "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+            }
             return f"data: {json.dumps(chunk)}\n\n".encode()
 
         self.open += 1
@@ -209,15 +251,29 @@ def kube_api_client(cluster: Any) -> Any:
     return kubernetes.client.ApiClient(configuration)
 
 
-def inference_model(name: str, namespace: str = "models", *, replicas: int | None = 1, served: str | None = None,
-                    ready: int = 0, endpoint: str | None = None) -> dict[str, Any]:
-    spec: dict[str, Any] = {"model": {"source": "default"}, "image": "ghcr.io/vsurge-stack/vsurge-service:test"}
+def inference_model(
+    name: str,
+    namespace: str = "models",
+    *,
+    replicas: int | None = 1,
+    served: str | None = None,
+    ready: int = 0,
+    endpoint: str | None = None,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"source": "default"},
+        "image": "ghcr.io/vsurge-stack/vsurge-service:test",
+    }
     if replicas is not None:
         spec["replicas"] = replicas
     if served:
         spec["model"]["servedName"] = served
-    obj: dict[str, Any] = {"apiVersion": "vsurge.io/v1alpha1", "kind": "InferenceModel",
-                           "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+    obj: dict[str, Any] = {
+        "apiVersion": "vsurge.io/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
     if ready or endpoint:
         obj["status"] = {"readyReplicas": ready, "endpoint": endpoint}
     return obj
@@ -236,8 +292,11 @@ def vsurge_command() -> list[str]:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test's environment without settings that would steer a child elsewhere (cluster, tracing)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_", "KUBECONFIG"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_", "KUBECONFIG"))
+    }
     env.update(extra)
     return env
 
@@ -253,7 +312,9 @@ class Process:
 
     def start(self) -> Process:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.args, env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
+        )
         return self
 
     def wait_http(self, url: str, timeout: float) -> None:

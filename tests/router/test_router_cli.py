@@ -25,25 +25,49 @@ def test_the_route_subcommand_is_registered_with_the_charts_arguments() -> None:
     assert args._run is run_route
     cfg = config_from_args(args, {})
     assert (cfg.port, cfg.namespaces, cfg.use_kubernetes, cfg.static_config) == (
-        8080, ("team-a", "team-b"), True, None)
+        8080,
+        ("team-a", "team-b"),
+        True,
+        None,
+    )
     args = parser.parse_args(
         ["route", "--port=9090", "--static-config=/etc/vsurge/static-config.yaml", "--log-level=debug"]
     )
     cfg = config_from_args(args, {})
     assert (cfg.port, cfg.static_config, cfg.log_level, cfg.use_kubernetes) == (
-        9090, "/etc/vsurge/static-config.yaml", "debug", False)
+        9090,
+        "/etc/vsurge/static-config.yaml",
+        "debug",
+        False,
+    )
     assert "route" in parser.format_help()
 
 
 def test_flags_win_over_environment_over_defaults() -> None:
     assert _config([]) == RouterConfig()
-    env = {"VSURGE_ROUTER_PORT": "9000", "VSURGE_ROUTER_WAKE_TIMEOUT_SECONDS": "12.5",
-           "VSURGE_ROUTER_NAMESPACES": "a, b,a", "VSURGE_ROUTER_KUBERNETES": "true"}
+    env = {
+        "VSURGE_ROUTER_PORT": "9000",
+        "VSURGE_ROUTER_WAKE_TIMEOUT_SECONDS": "12.5",
+        "VSURGE_ROUTER_NAMESPACES": "a, b,a",
+        "VSURGE_ROUTER_KUBERNETES": "true",
+    }
     cfg = _config([], env)
-    assert (cfg.port, cfg.wake_timeout_seconds, cfg.namespaces, cfg.kubernetes) == (9000, 12.5, ("a", "b"), True)
-    cfg = _config(["--port", "9001", "--no-kubernetes", "--static-config", "f.yaml"],
-                  {**env, "VSURGE_ROUTER_NAMESPACES": ""})
-    assert (cfg.port, cfg.kubernetes, cfg.use_kubernetes, cfg.wake_timeout_seconds) == (9001, False, False, 12.5)
+    assert (cfg.port, cfg.wake_timeout_seconds, cfg.namespaces, cfg.kubernetes) == (
+        9000,
+        12.5,
+        ("a", "b"),
+        True,
+    )
+    cfg = _config(
+        ["--port", "9001", "--no-kubernetes", "--static-config", "f.yaml"],
+        {**env, "VSURGE_ROUTER_NAMESPACES": ""},
+    )
+    assert (cfg.port, cfg.kubernetes, cfg.use_kubernetes, cfg.wake_timeout_seconds) == (
+        9001,
+        False,
+        False,
+        12.5,
+    )
     assert _config(["-n", "x"], env).namespaces == ("x",)
 
 
@@ -59,8 +83,16 @@ def test_kubernetes_discovery_by_default_unless_only_a_static_file() -> None:
     ("argv", "env", "message"),
     [
         ([], {"VSURGE_ROUTER_PORT": "http"}, "VSURGE_ROUTER_PORT='http': expected an integer"),
-        ([], {"VSURGE_ROUTER_WAKE_TIMEOUT_SECONDS": "0"}, "VSURGE_ROUTER_WAKE_TIMEOUT_SECONDS='0': must be > 0"),
-        ([], {"VSURGE_ROUTER_KUBERNETES": "maybe"}, "VSURGE_ROUTER_KUBERNETES='maybe': expected true or false"),
+        (
+            [],
+            {"VSURGE_ROUTER_WAKE_TIMEOUT_SECONDS": "0"},
+            "VSURGE_ROUTER_WAKE_TIMEOUT_SECONDS='0': must be > 0",
+        ),
+        (
+            [],
+            {"VSURGE_ROUTER_KUBERNETES": "maybe"},
+            "VSURGE_ROUTER_KUBERNETES='maybe': expected true or false",
+        ),
         (["-n", "a", "--all-namespaces"], {}, "exclude each other"),
         (["--no-kubernetes"], {}, "give --static-config"),
         (["-n", "a", "--no-kubernetes", "--static-config", "f"], {}, "--namespace needs Kubernetes"),
@@ -71,7 +103,9 @@ def test_bad_settings_name_their_source(argv: list[str], env: dict[str, str], me
         _config(argv, env)
 
 
-@pytest.mark.parametrize("flag", ["--port=70000", "--max-attempts=0", "--log-level=loud", "--eject-seconds=-1"])
+@pytest.mark.parametrize(
+    "flag", ["--port=70000", "--max-attempts=0", "--log-level=loud", "--eject-seconds=-1"]
+)
 def test_bad_flags_are_usage_errors(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         _config([flag])

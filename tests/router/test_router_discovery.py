@@ -17,11 +17,22 @@ from vsurge.router.wake import can_become_ready, wake_target
 
 
 def test_static_config_parses_and_normalizes() -> None:
-    models = parse_static_config({"models": [
-        {"name": "llama", "upstreams": ["http://127.0.0.1:8001/", "http://127.0.0.1:8002/v1", "http://127.0.0.1:8001"]},
-        {"name": " qwen ", "replicas": "https://qwen.models.svc:11556/prefix/v1/"},
-        {"name": "asleep", "upstreams": []},
-    ]})
+    models = parse_static_config(
+        {
+            "models": [
+                {
+                    "name": "llama",
+                    "upstreams": [
+                        "http://127.0.0.1:8001/",
+                        "http://127.0.0.1:8002/v1",
+                        "http://127.0.0.1:8001",
+                    ],
+                },
+                {"name": " qwen ", "replicas": "https://qwen.models.svc:11556/prefix/v1/"},
+                {"name": "asleep", "upstreams": []},
+            ]
+        }
+    )
     assert [(m.name, m.upstreams) for m in models] == [
         ("llama", ("http://127.0.0.1:8001", "http://127.0.0.1:8002")),
         ("qwen", ("https://qwen.models.svc:11556/prefix",)),
@@ -40,9 +51,15 @@ def test_static_config_parses_and_normalizes() -> None:
         ({"models": ["a"]}, "models[0]: expected a mapping"),
         ({"models": [{"upstreams": []}]}, "models[0].name: a non-empty string"),
         ({"models": [{"name": "a", "upstream": []}]}, "models[0]: unknown key(s) ['upstream']"),
-        ({"models": [{"name": "a", "upstreams": ["ftp://x"]}]}, "models[0] (a).upstreams[0]: 'ftp://x' is not"),
+        (
+            {"models": [{"name": "a", "upstreams": ["ftp://x"]}]},
+            "models[0] (a).upstreams[0]: 'ftp://x' is not",
+        ),
         ({"models": [{"name": "a", "upstreams": ["http://x?q=1"]}]}, "must not have a query"),
-        ({"models": [{"name": "a", "upstreams": [8000]}]}, "models[0] (a).upstreams[0]: expected a URL string"),
+        (
+            {"models": [{"name": "a", "upstreams": [8000]}]},
+            "models[0] (a).upstreams[0]: expected a URL string",
+        ),
         ({"models": [{"name": "a", "upstreams": {"u": 1}}]}, "models[0] (a).upstreams: expected a list"),
         ({"models": [{"name": "a", "upstreams": [], "replicas": []}]}, "give `upstreams` or `replicas`"),
         ({"models": [{"name": "a"}, {"name": "a"}]}, "models[1] (a): the name is listed twice"),
@@ -99,13 +116,23 @@ def test_static_file_is_reloaded_and_a_broken_edit_keeps_the_models(tmp_path: Pa
 
 def test_inference_model_becomes_a_backend() -> None:
     group = group_for("models")
-    obj = inference_model("llama-3", replicas=2, served="llama", ready=2,
-                          endpoint="http://llama-3.models.svc.cluster.local:11556")
+    obj = inference_model(
+        "llama-3",
+        replicas=2,
+        served="llama",
+        ready=2,
+        endpoint="http://llama-3.models.svc.cluster.local:11556",
+    )
     obj["metadata"]["creationTimestamp"] = "2025-01-02T03:04:05Z"
     b = backend_from_object(obj, group)
     assert b == Backend(
-        model="llama", upstreams=("http://llama-3.models.svc.cluster.local:11556",), key="k8s/models/llama-3",
-        group="k8s:models", wake=WakeTarget("models", "llama-3"), desired_replicas=2, created=1735787045,
+        model="llama",
+        upstreams=("http://llama-3.models.svc.cluster.local:11556",),
+        key="k8s/models/llama-3",
+        group="k8s:models",
+        wake=WakeTarget("models", "llama-3"),
+        desired_replicas=2,
+        created=1735787045,
     )
     # Default served name; not ready -> no upstream even with an endpoint; status.desiredReplicas as fallback.
     obj = inference_model("qwen", replicas=None, ready=0, endpoint="http://qwen.models.svc:11556")
@@ -146,8 +173,13 @@ def test_table_groups_are_independent_and_models_pool_their_upstreams() -> None:
         t.replace_group("static", [_b("m", "static/m", "static", ("http://s:1",))])
         assert not t.synced
         event = t.changed_event()
-        t.replace_group("k8s:models", [_b("m", "k8s/models/m", "k8s:models", ("http://k:1", "http://s:1")),
-                                       _b("n", "k8s/models/n", "k8s:models")])
+        t.replace_group(
+            "k8s:models",
+            [
+                _b("m", "k8s/models/m", "k8s:models", ("http://k:1", "http://s:1")),
+                _b("n", "k8s/models/n", "k8s:models"),
+            ],
+        )
         assert t.synced and event.is_set() and not t.changed_event().is_set()
         assert t.lookup("m").upstreams == ("http://k:1", "http://s:1")
         assert [v.name for v in t.models()] == ["m", "n"]
@@ -176,4 +208,3 @@ def test_wake_decision() -> None:
     assert wake_target(ModelView("m", (asleep, ready))) is None
     assert wake_target(ModelView("m", (static,))) is None
     assert can_become_ready(ModelView("m", (asleep,))) and not can_become_ready(ModelView("m", (static,)))
-

@@ -48,21 +48,42 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         for name, model in plan.items():
             port = free_port()
-            args = [*vsurge_command(), "serve", f"--model={root / model}", f"--served-model-name={model}",
-                    "--host=127.0.0.1", f"--port={port}", "--metrics-port=-1", *ENGINE_FLAGS]
+            args = [
+                *vsurge_command(),
+                "serve",
+                f"--model={root / model}",
+                f"--served-model-name={model}",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                "--metrics-port=-1",
+                *ENGINE_FLAGS,
+            ]
             servers[name] = (Process(args, root / f"{name}.log", env).start(), f"http://127.0.0.1:{port}")
         for proc, url in servers.values():
             proc.wait_http(f"{url}/readiness", timeout=180)
         config = root / "static.yaml"
-        config.write_text(yaml.safe_dump({"models": [
-            {"name": "alpha", "upstreams": [servers["alpha-1"][1], servers["alpha-2"][1]]},
-            {"name": "beta", "upstreams": [f"{servers['beta-1'][1]}/v1"]},
-        ]}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "models": [
+                        {"name": "alpha", "upstreams": [servers["alpha-1"][1], servers["alpha-2"][1]]},
+                        {"name": "beta", "upstreams": [f"{servers['beta-1'][1]}/v1"]},
+                    ]
+                }
+            )
+        )
         port = free_port()
         router = Process(
-            [*vsurge_command(), "route", f"--static-config={config}", "--host=127.0.0.1", f"--port={port}",
-             "--eject-seconds=60"],
-            root / "router.log", clean_env(),
+            [
+                *vsurge_command(),
+                "route",
+                f"--static-config={config}",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                "--eject-seconds=60",
+            ],
+            root / "router.log",
+            clean_env(),
         ).start()
         router.wait_http(f"http://127.0.0.1:{port}/readiness", timeout=30)
         yield Stack(router, f"http://127.0.0.1:{port}", servers)
@@ -93,7 +114,9 @@ def _ask(client: openai.OpenAI, model: str, stream: bool) -> str:
 
 
 def _upstream_count(text: str, model: str, upstream: str, outcome: str = "200") -> float:
-    return metric_value(text, "vsurge_router_upstream_requests_total", model=model, upstream=upstream, outcome=outcome)
+    return metric_value(
+        text, "vsurge_router_upstream_requests_total", model=model, upstream=upstream, outcome=outcome
+    )
 
 
 def test_models_are_listed(stack: Stack) -> None:

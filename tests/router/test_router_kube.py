@@ -54,8 +54,13 @@ def test_discovery_follows_inference_models_in_every_namespace(cluster, upstream
     # Seen through the watch: a new model elsewhere, then its replica becoming ready.
     api.create(_resource(), "other", inference_model("qwen", namespace="other", replicas=1))
     wait_for(lambda: _model_ids(router.url).get("qwen") is False, what="qwen listed, not ready")
-    api.patch(_resource(), "other", "qwen", {"status": {"readyReplicas": 1, "endpoint": f"{b.url}/"}},
-              subresource="status")
+    api.patch(
+        _resource(),
+        "other",
+        "qwen",
+        {"status": {"readyReplicas": 1, "endpoint": f"{b.url}/"}},
+        subresource="status",
+    )
     wait_for(lambda: _model_ids(router.url).get("qwen"), what="qwen ready")
     r = httpx.post(f"{router.url}/v1/completions", json={"model": "qwen", "prompt": "x"}, timeout=10)
     assert r.json() == {"upstream": "b", "path": "/v1/completions", "model": "qwen"}
@@ -75,14 +80,23 @@ def test_scale_from_zero_wakes_the_model_and_answers(cluster, upstreams, tmp_pat
     port = free_port()
     kubeconfig = cluster.write_kubeconfig(tmp_path / "kubeconfig")
     router = Process(
-        [*vsurge_command(), "route", "--host=127.0.0.1", f"--port={port}", "--namespace=models",
-         "--wake-timeout-seconds=60"],
-        tmp_path / "router.log", clean_env(KUBECONFIG=str(kubeconfig)),
+        [
+            *vsurge_command(),
+            "route",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            "--namespace=models",
+            "--wake-timeout-seconds=60",
+        ],
+        tmp_path / "router.log",
+        clean_env(KUBECONFIG=str(kubeconfig)),
     ).start()
     try:
         router.wait_http(f"http://127.0.0.1:{port}/readiness", timeout=30)
         assert _model_ids(f"http://127.0.0.1:{port}") == {"sleepy": False}
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+        )
         answers: list[str] = []
 
         def ask() -> None:
@@ -94,8 +108,11 @@ def test_scale_from_zero_wakes_the_model_and_answers(cluster, upstreams, tmp_pat
         for t in callers:
             t.start()
         # The router wakes the model through the scale subresource...
-        wait_for(lambda: (cluster.obj(IM, "models", "sleepy") or {}).get("spec", {}).get("replicas") == 1,
-                 timeout=15, what="spec.replicas = 1")
+        wait_for(
+            lambda: (cluster.obj(IM, "models", "sleepy") or {}).get("spec", {}).get("replicas") == 1,
+            timeout=15,
+            what="spec.replicas = 1",
+        )
         patches = cluster.requests(method="PATCH", plural="inferencemodels", subresource="scale")
         assert len(patches) == 1  # two held requests, one patch
         assert patches[0].headers["Content-Type"] == "application/merge-patch+json"
@@ -104,8 +121,13 @@ def test_scale_from_zero_wakes_the_model_and_answers(cluster, upstreams, tmp_pat
         time.sleep(0.5)
         assert all(t.is_alive() for t in callers) and answers == []
         # The "operator" reports a ready replica; the router sees it through its watch and forwards.
-        api.patch(_resource(), "models", "sleepy", {"status": {"readyReplicas": 1, "endpoint": a.url}},
-                  subresource="status")
+        api.patch(
+            _resource(),
+            "models",
+            "sleepy",
+            {"status": {"readyReplicas": 1, "endpoint": a.url}},
+            subresource="status",
+        )
         for t in callers:
             t.join(30)
         assert answers == ["hello from a", "hello from a"]
@@ -124,8 +146,13 @@ def test_scale_from_zero_wakes_the_model_and_answers(cluster, upstreams, tmp_pat
 def test_scale_from_zero_times_out_with_503_and_retry_after(cluster, start_router) -> None:
     api = cluster.client()
     api.create(_resource(), "models", inference_model("sleepy", replicas=0))
-    router = start_router(api_client=kube_api_client(cluster), kubernetes=True, namespaces=("models",),
-                          wake_timeout_seconds=1.0, retry_after_seconds=3)
+    router = start_router(
+        api_client=kube_api_client(cluster),
+        kubernetes=True,
+        namespaces=("models",),
+        wake_timeout_seconds=1.0,
+        retry_after_seconds=3,
+    )
     wait_for(lambda: httpx.get(f"{router.url}/readiness", timeout=5).status_code == 200, what="router ready")
     started = time.monotonic()
     r = httpx.post(f"{router.url}/v1/chat/completions", json=_chat("sleepy"), timeout=10)
@@ -142,7 +169,9 @@ def test_scale_from_zero_times_out_with_503_and_retry_after(cluster, start_route
         assert e.status_code == 503
     else:
         raise AssertionError("expected a 503")
-    assert metric_value(router.metrics(), "vsurge_router_wakeups_total", model="sleepy", outcome="timeout") == 2
+    assert (
+        metric_value(router.metrics(), "vsurge_router_wakeups_total", model="sleepy", outcome="timeout") == 2
+    )
 
 
 def test_a_refused_scale_patch_fails_fast(cluster, start_router) -> None:
@@ -151,8 +180,9 @@ def test_a_refused_scale_patch_fails_fast(cluster, start_router) -> None:
     api = cluster.client()
     api.create(_resource(), "models", inference_model("sleepy", replicas=0))
     cluster.emulator.faults.append(Fault("PATCH", "inferencemodels", 403, times=1, subresource="scale"))
-    router = start_router(api_client=kube_api_client(cluster), kubernetes=True, namespaces=("models",),
-                          wake_timeout_seconds=30)
+    router = start_router(
+        api_client=kube_api_client(cluster), kubernetes=True, namespaces=("models",), wake_timeout_seconds=30
+    )
     wait_for(lambda: httpx.get(f"{router.url}/readiness", timeout=5).status_code == 200, what="router ready")
     started = time.monotonic()
     r = httpx.post(f"{router.url}/v1/chat/completions", json=_chat("sleepy"), timeout=10)

@@ -24,7 +24,9 @@ def test_models_are_listed_and_requests_go_by_model(upstreams, start_router) -> 
         listing = http.get("/v1/models").json()
         assert listing["object"] == "list"
         assert [(m["id"], m["object"], m["owned_by"], m["ready"]) for m in listing["data"]] == [
-            ("alpha", "model", "vsurge", True), ("beta", "model", "vsurge", True)]
+            ("alpha", "model", "vsurge", True),
+            ("beta", "model", "vsurge", True),
+        ]
         assert http.get("/v1/models/beta").json()["id"] == "beta"
 
         r = http.post("/v1/chat/completions", json=_chat("alpha"))
@@ -42,10 +44,20 @@ def test_headers_pass_through_but_hop_by_hop_ones_do_not(upstreams, start_router
     a = upstreams("a")
     router = start_router({"alpha": [a.url]})
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    r = httpx.post(f"{router.url}/v1/chat/completions", json=_chat("alpha"), timeout=10, headers={
-        "traceparent": traceparent, "tracestate": "vendor=1", "Authorization": "Bearer sk-test",
-        "X-Custom": "kept", "Connection": "keep-alive, X-Hop", "X-Hop": "dropped", "X-Forwarded-For": "10.0.0.1",
-    })
+    r = httpx.post(
+        f"{router.url}/v1/chat/completions",
+        json=_chat("alpha"),
+        timeout=10,
+        headers={
+            "traceparent": traceparent,
+            "tracestate": "vendor=1",
+            "Authorization": "Bearer sk-test",
+            "X-Custom": "kept",
+            "Connection": "keep-alive, X-Hop",
+            "X-Hop": "dropped",
+            "X-Forwarded-For": "10.0.0.1",
+        },
+    )
     assert r.status_code == 200 and r.headers["x-upstream"] == "a"
     seen = a.requests[-1]["headers"]
     assert seen["traceparent"] == traceparent and seen["tracestate"] == "vendor=1"
@@ -66,15 +78,17 @@ def test_streams_pass_through_unbuffered(upstreams, start_router) -> None:
     gate = threading.Event()
     a = upstreams("a", gate=gate)
     router = start_router({"alpha": [a.url]})
-    with httpx.Client(timeout=10) as http, http.stream(
-        "POST", f"{router.url}/v1/chat/completions", json=_chat("alpha", stream=True)
-    ) as r:
+    with (
+        httpx.Client(timeout=10) as http,
+        http.stream("POST", f"{router.url}/v1/chat/completions", json=_chat("alpha", stream=True)) as r,
+    ):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = r.iter_lines()
         first = next(lines)
         # The upstream holds the rest until the gate opens: the first event got here on its own.
-        assert not gate.is_set() and json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["content"] == (
-            "first from a")
+        assert not gate.is_set() and json.loads(first.removeprefix("data: "))["choices"][0]["delta"][
+            "content"
+        ] == ("first from a")
         gate.set()
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]" and "second" in rest[0]
@@ -84,25 +98,34 @@ def test_the_least_loaded_replica_gets_the_next_request(upstreams, start_router)
     gate = threading.Event()
     a, b = upstreams("a", gate=gate), upstreams("b", gate=gate)
     router = start_router({"alpha": [a.url, b.url]})
-    with httpx.Client(timeout=10) as http, http.stream(
-        "POST", f"{router.url}/v1/chat/completions", json=_chat("alpha", stream=True)
-    ) as held:
+    with (
+        httpx.Client(timeout=10) as http,
+        http.stream("POST", f"{router.url}/v1/chat/completions", json=_chat("alpha", stream=True)) as held,
+    ):
         held_lines = held.iter_lines()  # kept: a dropped line iterator closes the stream
         next(held_lines)
         busy, idle = (a, b) if a.open else (b, a)
         assert busy.open == 1 and idle.open == 0
         # While one replica has a stream open, new requests all go to the other one.
         for _ in range(3):
-            with http.stream("POST", f"{router.url}/v1/chat/completions", json=_chat("alpha", stream=True)) as r:
+            with http.stream(
+                "POST", f"{router.url}/v1/chat/completions", json=_chat("alpha", stream=True)
+            ) as r:
                 assert next(r.iter_lines()).count(f"first from {idle.name}") == 1
             # The router counts a stream until it has closed it; wait for that before the next one.
-            wait_for(lambda: metric_value(router.metrics(), "vsurge_router_requests_in_flight", model="alpha") == 1,
-                     what="the short stream to be released")
+            wait_for(
+                lambda: (
+                    metric_value(router.metrics(), "vsurge_router_requests_in_flight", model="alpha") == 1
+                ),
+                what="the short stream to be released",
+            )
         gate.set()
     assert len(busy.requests) == 1 and len(idle.requests) == 3
     text = router.metrics()
-    wait_for(lambda: metric_value(router.metrics(), "vsurge_router_requests_in_flight", model="alpha") == 0,
-             what="in-flight gauge back to 0")
+    wait_for(
+        lambda: metric_value(router.metrics(), "vsurge_router_requests_in_flight", model="alpha") == 0,
+        what="in-flight gauge back to 0",
+    )
     assert metric_value(text, "vsurge_router_requests_total", model="alpha", code="200") == 4
     assert metric_value(text, "vsurge_router_upstream_latency_seconds_count", model="alpha") == 4
 
@@ -117,7 +140,10 @@ def test_a_refused_connection_is_retried_on_another_replica(upstreams, start_rou
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hello from a"
     text = router.metrics()
     # The dead replica was tried once, then ejected: the other requests went straight to the live one.
-    assert metric_value(text, "vsurge_router_upstream_requests_total", upstream=dead, outcome="connect_error") == 1
+    assert (
+        metric_value(text, "vsurge_router_upstream_requests_total", upstream=dead, outcome="connect_error")
+        == 1
+    )
     assert metric_value(text, "vsurge_router_retries_total", model="alpha", reason="connect_error") == 1
     assert len(a.requests) == 4
 
@@ -134,8 +160,10 @@ def test_a_draining_replica_is_skipped_and_the_last_503_passes_through(upstreams
 
 
 def test_no_reachable_replica_is_a_503_with_retry_after(start_router) -> None:
-    router = start_router({"alpha": [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"],
-                           "empty": []}, retry_after_seconds=7)
+    router = start_router(
+        {"alpha": [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"], "empty": []},
+        retry_after_seconds=7,
+    )
     r = httpx.post(f"{router.url}/v1/chat/completions", json=_chat("alpha"), timeout=10)
     assert r.status_code == 503 and r.headers["retry-after"] == "7"
     assert r.json()["error"]["code"] == "upstream_unavailable" and r.json()["error"]["type"] == "server_error"
@@ -155,11 +183,17 @@ def test_no_reachable_replica_is_a_503_with_retry_after(start_router) -> None:
         (b'{"model": "alpha", "x": "' + b"y" * 2048 + b'"}', 413, None, "larger than 1024 bytes"),
     ],
 )
-def test_bad_requests_get_openai_shaped_errors(upstreams, start_router, body, status, param, fragment) -> None:
+def test_bad_requests_get_openai_shaped_errors(
+    upstreams, start_router, body, status, param, fragment
+) -> None:
     a = upstreams("a")
     router = start_router({"alpha": [a.url]}, max_body_bytes=1024)
-    r = httpx.post(f"{router.url}/v1/chat/completions", content=body, timeout=10,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{router.url}/v1/chat/completions",
+        content=body,
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == status
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -183,16 +217,21 @@ def test_a_client_that_leaves_cancels_the_upstream_request(upstreams, start_rout
     router = start_router({"alpha": [a.url]})
     # Non-streamed: the router is waiting for the upstream's headers when the client goes.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{router.url}/v1/chat/completions", json=_chat("alpha"), timeout=httpx.Timeout(10, read=0.5))
+        httpx.post(
+            f"{router.url}/v1/chat/completions", json=_chat("alpha"), timeout=httpx.Timeout(10, read=0.5)
+        )
     wait_for(lambda: a.cancelled == 1, what="the upstream to see the disconnect")
     # Streamed: the client reads one event and hangs up.
-    with httpx.Client(timeout=10) as http, http.stream(
-        "POST", f"{router.url}/v1/chat/completions", json=_chat("alpha", stream=True)
-    ) as r:
+    with (
+        httpx.Client(timeout=10) as http,
+        http.stream("POST", f"{router.url}/v1/chat/completions", json=_chat("alpha", stream=True)) as r,
+    ):
         next(r.iter_lines())
     wait_for(lambda: a.cancelled == 2 and a.open == 0, what="the upstream stream to be cancelled")
-    wait_for(lambda: metric_value(router.metrics(), "vsurge_router_requests_in_flight", model="alpha") == 0,
-             what="in-flight gauge back to 0")
+    wait_for(
+        lambda: metric_value(router.metrics(), "vsurge_router_requests_in_flight", model="alpha") == 0,
+        what="in-flight gauge back to 0",
+    )
     assert metric_value(router.metrics(), "vsurge_router_requests_total", model="alpha", code="499") == 1
     time.sleep(0.05)
     assert not gate.is_set()

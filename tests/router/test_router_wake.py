@@ -13,7 +13,9 @@ TARGET = WakeTarget("models", "m")
 
 
 def _backend(upstreams: tuple[str, ...] = (), desired: int | None = 0) -> Backend:
-    return Backend("m", upstreams, key="k8s/models/m", group="k8s:models", wake=TARGET, desired_replicas=desired)
+    return Backend(
+        "m", upstreams, key="k8s/models/m", group="k8s:models", wake=TARGET, desired_replicas=desired
+    )
 
 
 class FakeScaler:

@@ -182,8 +182,9 @@ def test_generate_non_stream_and_stream(surge):
 def test_queue_full_raises(tiny):
     model, tok = tiny
     # not compiled: the first prefill compiles for a while, so a tight submit loop fills the queue of 2
-    s = vSurge.create_vdriver(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=32,
-                              max_queue_size=2)
+    s = vSurge.create_vdriver(
+        model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=32, max_queue_size=2
+    )
     s.start()
     submitted = []
     try:
@@ -200,8 +201,9 @@ def test_queue_full_raises(tiny):
 
 def test_interleaved_mode_serves(tiny):
     model, tok = tiny
-    s = vSurge.create_vdriver(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=32,
-                              interleaved_mode=True)
+    s = vSurge.create_vdriver(
+        model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=32, interleaved_mode=True
+    )
     s.start()
     try:
         reqs = [s.submit(ids_request([1, 2, i], 5)) for i in range(3, 7)]
@@ -240,7 +242,10 @@ def test_disaggregated_prefill_and_decode_on_separate_devices(tiny_checkpoint):
     whole = vSurge(vDriver(vEngine(model, tok, mesh=make_mesh("tp=8"), **kw)))
     whole.start()
     try:
-        on_eight = [[t for items in whole.submit(ids_request(p, 10)).channel for s in items for t in s.token_ids] for p in prompts]
+        on_eight = [
+            [t for items in whole.submit(ids_request(p, 10)).channel for s in items for t in s.token_ids]
+            for p in prompts
+        ]
     finally:
         whole.stop()
     assert on_eight == got

@@ -111,7 +111,9 @@ class ActiveRequest:
         self.samples = [
             SampleProgress(
                 index=i,
-                detok=IncrementalDetokenizer(processor, prompt_ids) if detokenize and processor is not None else None,
+                detok=IncrementalDetokenizer(processor, prompt_ids)
+                if detokenize and processor is not None
+                else None,
                 matcher=StopStringMatcher(params.stop) if params.stop and detokenize else None,
             )
             for i in range(params.n)
@@ -134,8 +136,15 @@ class ActiveRequest:
         return all(s.done for s in self.samples)
 
     # ------------------------------------------------------------------ driver side
-    def add_token(self, index: int, token: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray,
-                  max_length: int) -> str | None:
+    def add_token(
+        self,
+        index: int,
+        token: int,
+        logprob: float,
+        top_ids: np.ndarray,
+        top_lps: np.ndarray,
+        max_length: int,
+    ) -> str | None:
         """Account one generated token of sample `index`; returns its finish reason once it finishes."""
         s = self.samples[index]
         if s.done:
@@ -203,7 +212,9 @@ class ActiveRequest:
                     num_generated_tokens=n,
                     num_prompt_tokens=len(self.prompt_ids),
                     tokens_per_second=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
-                    time_to_first_token=(s.first_token_at - self.metadata.queued_at) if s.first_token_at else None,
+                    time_to_first_token=(s.first_token_at - self.metadata.queued_at)
+                    if s.first_token_at
+                    else None,
                     logprobs=s.logprobs_delta if self.params.logprobs else None,
                     error=self.error,
                 )

@@ -75,7 +75,9 @@ class vDriver:  # noqa: N801 - the seed's name
         self.detokenizing_blocks = detokenizing_blocks
         self._prefill_q: queue.Queue = queue.Queue(max_queue_size)
         self._transfer_q: queue.Queue = queue.Queue(max(4, 2 * len(self._decode_engines)))
-        self._lanes = [_DecodeLane(e, backlog_size=2 * e.max_concurrent_decodes) for e in self._decode_engines]
+        self._lanes = [
+            _DecodeLane(e, backlog_size=2 * e.max_concurrent_decodes) for e in self._decode_engines
+        ]
         self._metrics = MetricsRecorder()
         self._threads: list[threading.Thread] = []
         self._live = False
@@ -125,7 +127,9 @@ class vDriver:  # noqa: N801 - the seed's name
         try:
             self._prefill_q.put_nowait(request)
         except queue.Full:
-            raise QueueFullError(f"prefill queue is full ({self._prefill_q.maxsize} requests waiting)") from None
+            raise QueueFullError(
+                f"prefill queue is full ({self._prefill_q.maxsize} requests waiting)"
+            ) from None
         self._metrics.request_started(request)
 
     def metrics(self) -> DriverMetrics:
@@ -376,7 +380,9 @@ class vDriver:  # noqa: N801 - the seed's name
                 touched.append(req)
             self._flush(lane, list(dict.fromkeys(touched)))
 
-    def _account(self, lane: _DecodeLane, req: ActiveRequest, i: int, slot: int, host, row: int, max_length: int):
+    def _account(
+        self, lane: _DecodeLane, req: ActiveRequest, i: int, slot: int, host, row: int, max_length: int
+    ):
         tokens, logprob, top_ids, top_lps = host
         try:
             finish = req.add_token(i, int(tokens[row]), logprob[row], top_ids[row], top_lps[row], max_length)

@@ -91,7 +91,9 @@ def _prefill_impl(graphdef, params, tokens, length, sampling):
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)[None]
     backend = PrefillAttention(window=model.config.sliding_window)
-    hidden, kv = model(tokens[None], positions, backend, [None] * model.config.num_layers, (positions, length[None]))
+    hidden, kv = model(
+        tokens[None], positions, backend, [None] * model.config.num_layers, (positions, length[None])
+    )
     last = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=False)
     logits = model.compute_logits(last)
     mask = prompt_mask_from_tokens(tokens, length, logits.shape[-1])
@@ -145,7 +147,9 @@ def _forward_impl(graphdef, params, caches, tokens, positions, *, rows: int, kv_
 def _sample_impl(state: GenerationState, logits, *, rows: int, num_top: int, shardings):
     sampling = SlotSampling(*(a[:rows] for a in state.sampling))
     with _sampling_context(shardings):
-        out = sample(logits, sampling, state.counts[:rows], state.prompt_mask[:rows], state.steps[:rows], num_top)
+        out = sample(
+            logits, sampling, state.counts[:rows], state.prompt_mask[:rows], state.steps[:rows], num_top
+        )
     new = state._replace(
         tokens=state.tokens.at[:rows].set(out.tokens),
         positions=state.positions.at[:rows].add(1),
@@ -189,10 +193,18 @@ class vEngine:  # noqa: N801 - the seed's name
         self.max_concurrent_prefill = int(max_concurrent_prefill or 1)
         self.max_length = int(max_length or min(cfg.max_position_embeddings, 2048))
         lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
-        self.max_prefill_length = int(max_prefill_length or (lengths[-1] if lengths else min(1024, self.max_length)))
+        self.max_prefill_length = int(
+            max_prefill_length or (lengths[-1] if lengths else min(1024, self.max_length))
+        )
         if self.max_prefill_length > self.max_length:
-            raise ValueError(f"max_prefill_length {self.max_prefill_length} exceeds max_length {self.max_length}")
-        self.prefill_lengths = [n for n in (lengths or default_prefill_lengths(self.max_prefill_length)) if n <= self.max_prefill_length]
+            raise ValueError(
+                f"max_prefill_length {self.max_prefill_length} exceeds max_length {self.max_length}"
+            )
+        self.prefill_lengths = [
+            n
+            for n in (lengths or default_prefill_lengths(self.max_prefill_length))
+            if n <= self.max_prefill_length
+        ]
         if not self.prefill_lengths or self.prefill_lengths[-1] != self.max_prefill_length:
             self.prefill_lengths.append(self.max_prefill_length)
         self.decode_lengths = decode_buckets(self.max_length)
@@ -295,7 +307,9 @@ class vEngine:  # noqa: N801 - the seed's name
         if self.mesh is None:
             return self._replicated()
         c = self.config
-        kv = NamedSharding(self.mesh, P(None, "tp", None) if c.num_kv_heads % self.mesh.shape["tp"] == 0 else P())
+        kv = NamedSharding(
+            self.mesh, P(None, "tp", None) if c.num_kv_heads % self.mesh.shape["tp"] == 0 else P()
+        )
         rep = NamedSharding(self.mesh, P())
         return Prefix(
             kv=tuple((kv, kv) for _ in range(c.num_layers)),
@@ -399,12 +413,22 @@ class vEngine:  # noqa: N801 - the seed's name
         row = self.sampling_row(SamplingParams(temperature=0.0, max_tokens=1))
         v = self.config.vocab_size
         logits_sharding = NamedSharding(self.mesh, P()) if self.mesh is not None else self._replicated()
-        jobs = [(f"prefill bucket {n}", self._prefill, (self.params, np.ones(n, np.int32), np.int32(n), row))
-                for n in self.prefill_lengths]
-        jobs += [(f"decode slots={r} kv_len={n}", fn, (self.params, state.caches, state.tokens, state.positions))
-                 for (r, n), fn in self._forward.items()]
-        jobs += [(f"sampler slots={r}", fn, (state, jax.device_put(jnp.zeros((r, v), jnp.float32), logits_sharding)))
-                 for r, fn in self._sample.items()]
+        jobs = [
+            (f"prefill bucket {n}", self._prefill, (self.params, np.ones(n, np.int32), np.int32(n), row))
+            for n in self.prefill_lengths
+        ]
+        jobs += [
+            (f"decode slots={r} kv_len={n}", fn, (self.params, state.caches, state.tokens, state.positions))
+            for (r, n), fn in self._forward.items()
+        ]
+        jobs += [
+            (
+                f"sampler slots={r}",
+                fn,
+                (state, jax.device_put(jnp.zeros((r, v), jnp.float32), logits_sharding)),
+            )
+            for r, fn in self._sample.items()
+        ]
 
         def build(job):
             name, fn, args = job

@@ -45,7 +45,7 @@ class PrefillAttention:
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(d))
         k_idx = jnp.arange(t)
         ok = _allowed(positions[:, :, None], positions[:, None, :], self.window)
-        ok &= (k_idx[None, None, :] < lengths[:, None, None])
+        ok &= k_idx[None, None, :] < lengths[:, None, None]
         scores = jnp.where(ok[:, None, None, :, :], scores, _NEG)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))

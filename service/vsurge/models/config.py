@@ -60,7 +60,13 @@ class ModelConfig:
                 f"{source}: unsupported architecture {arch!r} (model_type={model_type!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
         missing = [k for k in required if k not in cfg]
         if missing:
             raise CheckpointError(f"{source}: missing required field(s) {', '.join(missing)}")

@@ -122,7 +122,9 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = dtype
         self.model = LlamaModel(cfg, dtype, rngs)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
 
     def __call__(

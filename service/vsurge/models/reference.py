@@ -43,7 +43,11 @@ def logits(model: LlamaForCausalLM, input_ids, lengths=None) -> np.ndarray:
     tokens = np.asarray(input_ids, np.int32)
     if tokens.ndim == 1:
         tokens = tokens[None]
-    lens = np.full((tokens.shape[0],), tokens.shape[1], np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    lens = (
+        np.full((tokens.shape[0],), tokens.shape[1], np.int32)
+        if lengths is None
+        else np.asarray(lengths, np.int32)
+    )
     graphdef, state = nnx.split(model)
     out, _ = _forward_all(graphdef, state, jnp.asarray(tokens), jnp.asarray(lens))
     return np.asarray(out)

@@ -52,7 +52,9 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
         for name, info in header.items():
             dtype = _DTYPES.get(info.get("dtype"))
             if dtype is None:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}"
+                )
             shape = tuple(int(s) for s in info["shape"])
             start, end = (int(o) for o in info["data_offsets"])
             if end > self._data_size:

@@ -40,7 +40,9 @@ def parse_mesh_spec(spec: str | None) -> dict[str, int]:
     for part in spec.split(","):
         name, _, value = part.strip().partition("=")
         if name not in AXES or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"invalid mesh spec {spec!r}: expected entries like 'tp=8' or 'dp=2,tp=4' (axes: dp, tp)")
+            raise ValueError(
+                f"invalid mesh spec {spec!r}: expected entries like 'tp=8' or 'dp=2,tp=4' (axes: dp, tp)"
+            )
         sizes[name] = int(value)
     return sizes
 
@@ -79,7 +81,9 @@ def sharding_for(path: str, shape: tuple[int, ...], mesh: Mesh | None, rules) ->
     return NamedSharding(mesh, spec_for(path, shape, mesh, rules))
 
 
-def kv_cache_sharding(mesh: Mesh | None, shape: tuple[int, ...], paged: bool = False) -> jax.sharding.Sharding:
+def kv_cache_sharding(
+    mesh: Mesh | None, shape: tuple[int, ...], paged: bool = False
+) -> jax.sharding.Sharding:
     if mesh is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return NamedSharding(mesh, fit_spec(KV_PAGES_SPEC if paged else KV_CACHE_SPEC, shape, mesh))

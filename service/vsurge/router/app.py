@@ -168,13 +168,20 @@ class Router:
         try:
             body = await read_body(request, self.max_body_bytes)
         except BodyTooLarge:
-            return self._done("", errors.error_response(
-                413, f"The request body is larger than {self.max_body_bytes} bytes.", code="request_too_large"
-            ))
+            return self._done(
+                "",
+                errors.error_response(
+                    413,
+                    f"The request body is larger than {self.max_body_bytes} bytes.",
+                    code="request_too_large",
+                ),
+            )
         try:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
-            return self._done("", errors.bad_request(f"We could not parse the JSON body of your request: {e}"))
+            return self._done(
+                "", errors.bad_request(f"We could not parse the JSON body of your request: {e}")
+            )
         if not isinstance(payload, dict):
             return self._done("", errors.bad_request("The request body must be a JSON object."))
         model = payload.get("model")
@@ -239,7 +246,9 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     return errors.error_response(404, f"Unknown route {request.url.path}.", code="not_found")
 
 
-def create_app(router: Router, sources: Sequence[Source] = (), client: httpx.AsyncClient | None = None) -> Starlette:
+def create_app(
+    router: Router, sources: Sequence[Source] = (), client: httpx.AsyncClient | None = None
+) -> Starlette:
     """The Starlette app; `sources` start with it and stop with it, `client` is closed at the end."""
 
     @contextlib.asynccontextmanager
@@ -284,7 +293,9 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None) -> Starlette:
         api_client = api_client if api_client is not None else load_api_client()
         sources.append(
             KubeDiscovery(
-                api_client, cfg.namespaces, watch_timeout_seconds=cfg.watch_timeout_seconds,
+                api_client,
+                cfg.namespaces,
+                watch_timeout_seconds=cfg.watch_timeout_seconds,
                 connect_timeout=cfg.connect_timeout_seconds,
             )
         )
@@ -301,7 +312,11 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None) -> Starlette:
     forwarder = Forwarder(client, LoadTracker(cfg.eject_seconds), metrics, cfg.max_attempts)
     waker = Waker(table, scaler, cfg.wake_timeout_seconds, metrics)
     router = Router(
-        table, waker, forwarder, metrics,
-        max_body_bytes=cfg.max_body_bytes, retry_after_seconds=cfg.retry_after_seconds,
+        table,
+        waker,
+        forwarder,
+        metrics,
+        max_body_bytes=cfg.max_body_bytes,
+        retry_after_seconds=cfg.retry_after_seconds,
     )
     return create_app(router, sources, client)

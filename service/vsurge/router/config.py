@@ -111,21 +111,27 @@ OPTIONS: tuple[Option, ...] = (
     Option("--port", _int(0, 65535), "port of the OpenAI API, the probes and /metrics", "PORT"),
     Option("--static-config", str, "YAML file listing models and their upstream URLs (see README)", "FILE"),
     Option(
-        "--wake-timeout-seconds", _float(0, strict=True),
-        "how long a request for a model without ready replicas is held (scale from zero) before a 503", "S",
+        "--wake-timeout-seconds",
+        _float(0, strict=True),
+        "how long a request for a model without ready replicas is held (scale from zero) before a 503",
+        "S",
     ),
     Option("--retry-after-seconds", _float(1), "Retry-After sent with 503 answers", "S"),
     Option("--connect-timeout-seconds", _float(0, strict=True), "connect timeout to an upstream", "S"),
     Option(
-        "--eject-seconds", _float(0),
-        "how long an upstream that refused a connection is passed over", "S",
+        "--eject-seconds",
+        _float(0),
+        "how long an upstream that refused a connection is passed over",
+        "S",
     ),
     Option("--max-attempts", _int(1), "upstreams tried per request before a 503", "N"),
     Option("--max-body-bytes", _int(1), "largest request body; bigger ones get 413", "N"),
     Option("--static-reload-seconds", _float(0), "how often the static file is re-read (0: never)", "S"),
     Option(
-        "--watch-timeout-seconds", _int(1),
-        "server-side timeout of each Kubernetes watch, after which the router relists", "S",
+        "--watch-timeout-seconds",
+        _int(1),
+        "server-side timeout of each Kubernetes watch, after which the router relists",
+        "S",
     ),
     Option("--drain-timeout-seconds", _float(0), "on SIGTERM, how long open requests may finish", "S"),
     Option("--log-level", _log_level, "critical, error, warning, info or debug", "LEVEL"),
@@ -146,16 +152,25 @@ def _cli_type(opt: Option) -> Callable[[str], Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RouterConfig()
     parser.add_argument(
-        "-n", "--namespace", dest="namespaces", action="append", metavar="NS",
+        "-n",
+        "--namespace",
+        dest="namespaces",
+        action="append",
+        metavar="NS",
         help="watch InferenceModels in NS (repeatable; default: all namespaces) [env VSURGE_ROUTER_NAMESPACES, "
         "comma-separated]",
     )
     parser.add_argument(
-        "-A", "--all-namespaces", action="store_true", default=None,
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        default=None,
         help="watch InferenceModels in every namespace (the default without --namespace)",
     )
     parser.add_argument(
-        "--kubernetes", action=argparse.BooleanOptionalAction, default=None,
+        "--kubernetes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="discover InferenceModels from the Kubernetes API (default: yes, unless only --static-config "
         "is given) [env VSURGE_ROUTER_KUBERNETES]",
     )
@@ -163,7 +178,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, opt.dest)
         shown = "" if default is None else f" (default: {default})"
         parser.add_argument(
-            opt.flag, dest=opt.dest, type=_cli_type(opt), default=None, metavar=opt.metavar,
+            opt.flag,
+            dest=opt.dest,
+            type=_cli_type(opt),
+            default=None,
+            metavar=opt.metavar,
             help=f"{opt.help}{shown} [env {opt.env}]",
         )
 
@@ -190,7 +209,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> RouterCo
         try:
             kubernetes = _bool(env["VSURGE_ROUTER_KUBERNETES"])
         except ValueError as e:
-            raise RouteConfigError(f"VSURGE_ROUTER_KUBERNETES={env['VSURGE_ROUTER_KUBERNETES']!r}: {e}") from None
+            raise RouteConfigError(
+                f"VSURGE_ROUTER_KUBERNETES={env['VSURGE_ROUTER_KUBERNETES']!r}: {e}"
+            ) from None
     if getattr(ns, "all_namespaces", None) and kubernetes is None:
         kubernetes = True
     values["namespaces"] = namespaces
@@ -198,7 +219,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> RouterCo
     known = {f.name for f in fields(RouterConfig)}
     cfg = RouterConfig(**{k: v for k, v in values.items() if k in known})
     if not cfg.use_kubernetes and not cfg.static_config:
-        raise RouteConfigError("with --no-kubernetes, give --static-config FILE: the router needs some models")
+        raise RouteConfigError(
+            "with --no-kubernetes, give --static-config FILE: the router needs some models"
+        )
     if namespaces and cfg.kubernetes is False:
         raise RouteConfigError("--namespace needs Kubernetes discovery; drop --no-kubernetes")
     return cfg

@@ -29,9 +29,7 @@ def error_response(
 
 
 def model_not_found(model: str) -> JSONResponse:
-    return error_response(
-        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-    )
+    return error_response(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> JSONResponse:

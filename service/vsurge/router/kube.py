@@ -149,7 +149,10 @@ class KubeDiscovery:
         for ns in self.namespaces:
             table.expect(group_for(ns))
             t = threading.Thread(
-                target=self._run, args=(ns, table, post), name=f"vsurge-router-watch-{ns or 'all'}", daemon=True
+                target=self._run,
+                args=(ns, table, post),
+                name=f"vsurge-router-watch-{ns or 'all'}",
+                daemon=True,
             )
             self._threads.append(t)
             t.start()
@@ -190,7 +193,12 @@ class KubeDiscovery:
                 break
 
     def _watch(
-        self, namespace: str | None, group: str, rv: str | None, table: EndpointTable, post: Callable[..., None]
+        self,
+        namespace: str | None,
+        group: str,
+        rv: str | None,
+        table: EndpointTable,
+        post: Callable[..., None],
     ) -> None:
         import kubernetes
 

@@ -46,39 +46,54 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "vsurge_router_requests", "Requests answered by the router, by model and HTTP status",
-            ["model", "code"], registry=r,
+            "vsurge_router_requests",
+            "Requests answered by the router, by model and HTTP status",
+            ["model", "code"],
+            registry=r,
         )
         self.in_flight = Gauge(
-            "vsurge_router_requests_in_flight", "Requests being proxied (streams until their last byte)",
-            ["model"], registry=r,
+            "vsurge_router_requests_in_flight",
+            "Requests being proxied (streams until their last byte)",
+            ["model"],
+            registry=r,
         )
         self.upstream_latency = Histogram(
             "vsurge_router_upstream_latency_seconds",
             "From sending a request upstream to its response headers (for a stream: its first event)",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.request_duration = Histogram(
             "vsurge_router_request_duration_seconds",
             "From the request's arrival to the last byte of its answer, wake-up waits included",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.upstream_requests = Counter(
             "vsurge_router_upstream_requests",
             "Attempts sent upstream, by outcome: the HTTP status, or connect_error",
-            ["model", "upstream", "outcome"], registry=r,
+            ["model", "upstream", "outcome"],
+            registry=r,
         )
         self.retries = Counter(
-            "vsurge_router_retries", "Requests retried on another upstream, by reason",
-            ["model", "reason"], registry=r,
+            "vsurge_router_retries",
+            "Requests retried on another upstream, by reason",
+            ["model", "reason"],
+            registry=r,
         )
         self.wakeups = Counter(
-            "vsurge_router_wakeups", "Scale-from-zero waits, by outcome: ready, timeout, error",
-            ["model", "outcome"], registry=r,
+            "vsurge_router_wakeups",
+            "Scale-from-zero waits, by outcome: ready, timeout, error",
+            ["model", "outcome"],
+            registry=r,
         )
         self.scale_patches = Counter(
-            "vsurge_router_scale_patches", "Scale subresource patches sent to wake a model, by outcome",
-            ["model", "outcome"], registry=r,
+            "vsurge_router_scale_patches",
+            "Scale subresource patches sent to wake a model, by outcome",
+            ["model", "outcome"],
+            registry=r,
         )
         self._table = table
         r.register(_TableCollector(lambda: self._table))

@@ -57,7 +57,9 @@ class LoadTracker:
 
     def pick(self, upstreams: Sequence[str], exclude: Collection[str] = ()) -> str | None:
         self._turn += 1
-        return pick_upstream(upstreams, self.in_flight, exclude=exclude, ejected=self.ejected(), turn=self._turn)
+        return pick_upstream(
+            upstreams, self.in_flight, exclude=exclude, ejected=self.ejected(), turn=self._turn
+        )
 
     def acquire(self, upstream: str) -> None:
         self.in_flight[upstream] = self.in_flight.get(upstream, 0) + 1

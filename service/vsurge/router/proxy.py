@@ -64,7 +64,9 @@ def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
     }
 
 
-def request_headers(headers: Sequence[tuple[str, str]], client_host: str | None = None) -> list[tuple[str, str]]:
+def request_headers(
+    headers: Sequence[tuple[str, str]], client_host: str | None = None
+) -> list[tuple[str, str]]:
     """Headers for the upstream request: end-to-end ones kept in order, X-Forwarded-For extended."""
     drop = HOP_BY_HOP | _REQUEST_ONLY | _connection_tokens(headers)
     out = [(k, v) for k, v in headers if k.lower() not in drop and k.lower() != "x-forwarded-for"]
@@ -168,7 +170,9 @@ class Forwarder:
                 outcome = "connect_error" if isinstance(e, CONNECT_ERRORS) else "dropped"
                 self.metrics.upstream_requests.labels(model, upstream, outcome).inc()
                 failures.append(f"{upstream}: {type(e).__name__}")
-                log.warning("model %s: upstream %s failed (%s: %s); ejected", model, upstream, type(e).__name__, e)
+                log.warning(
+                    "model %s: upstream %s failed (%s: %s); ejected", model, upstream, type(e).__name__, e
+                )
                 if attempt + 1 < self.max_attempts and len(tried) < len(upstreams):
                     self.metrics.retries.labels(model, outcome).inc()
                 continue
@@ -177,7 +181,11 @@ class Forwarder:
                 raise
             self.metrics.upstream_latency.labels(model).observe(time.perf_counter() - started)
             self.metrics.upstream_requests.labels(model, upstream, str(response.status_code)).inc()
-            if response.status_code == 503 and attempt + 1 < self.max_attempts and len(tried) < len(upstreams):
+            if (
+                response.status_code == 503
+                and attempt + 1 < self.max_attempts
+                and len(tried) < len(upstreams)
+            ):
                 await response.aclose()
                 self.tracker.release(upstream)
                 self.tracker.eject(upstream)

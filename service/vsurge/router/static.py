@@ -118,7 +118,9 @@ def parse_text(text: str, path: str | Path = "<static config>") -> list[StaticMo
 
 
 def backends_of(models: list[StaticModel], created: int) -> list[Backend]:
-    return [Backend(m.name, m.upstreams, key=f"{GROUP}/{m.name}", group=GROUP, created=created) for m in models]
+    return [
+        Backend(m.name, m.upstreams, key=f"{GROUP}/{m.name}", group=GROUP, created=created) for m in models
+    ]
 
 
 class StaticDiscovery:

@@ -130,7 +130,9 @@ class EndpointTable:
     # -- readers
 
     def lookup(self, model: str) -> ModelView | None:
-        backends = tuple(sorted((b for b in self._backends.values() if b.model == model), key=lambda b: b.key))
+        backends = tuple(
+            sorted((b for b in self._backends.values() if b.model == model), key=lambda b: b.key)
+        )
         return ModelView(model, backends) if backends else None
 
     def models(self) -> list[ModelView]:

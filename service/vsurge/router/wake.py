@@ -150,7 +150,11 @@ class Waker:
             task, started = existing
             if not task.done():
                 return task
-            if not task.cancelled() and task.exception() is None and self.clock() - started < self.repatch_after_s:
+            if (
+                not task.cancelled()
+                and task.exception() is None
+                and self.clock() - started < self.repatch_after_s
+            ):
                 return task
         task = asyncio.create_task(self._do_patch(target, model), name=f"vsurge-router-wake-{target}")
         task.add_done_callback(_consume)
