@@ -48,7 +48,11 @@ def build(model, tok, driver: str, **kw):
     from vsurge.surge import vSurge
 
     t = time.perf_counter()
-    s = vSurge.create_odriver(model, tok, **kw) if driver == "odriver" else vSurge.create_vdriver(model, tok, **kw)
+    s = (
+        vSurge.create_odriver(model, tok, **kw)
+        if driver == "odriver"
+        else vSurge.create_vdriver(model, tok, **kw)
+    )
     s.compile()
     print(f"# {driver} compiled in {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
     s.start()
@@ -58,8 +62,13 @@ def build(model, tok, driver: str, **kw):
 def request(prompt, max_tokens):
     from vsurge.request import vSurgeRequest
 
-    return vSurgeRequest(prompt=[int(x) for x in prompt], max_tokens=int(max_tokens), temperature=0.0,
-                         ignore_eos=True, is_client_side_tokenization=True)
+    return vSurgeRequest(
+        prompt=[int(x) for x in prompt],
+        max_tokens=int(max_tokens),
+        temperature=0.0,
+        ignore_eos=True,
+        is_client_side_tokenization=True,
+    )
 
 
 def drain(active) -> tuple[int, float | None]:
@@ -111,8 +120,13 @@ def hold(s, work, window: float) -> dict:
         r.cancel()
     for r in reqs:
         drain(r)
-    return {"mean": statistics.fmean(samples), "max": max(samples), "preemptions": m.preemptions_total,
-            "pages_total": m.pages_total, "tokens": m.generation_tokens_total}
+    return {
+        "mean": statistics.fmean(samples),
+        "max": max(samples),
+        "preemptions": m.preemptions_total,
+        "pages_total": m.pages_total,
+        "tokens": m.generation_tokens_total,
+    }
 
 
 def concurrency(model, tok, args) -> dict:
@@ -121,21 +135,39 @@ def concurrency(model, tok, args) -> dict:
     work = mixed_workload(np.random.RandomState(0), args.requests, model.config.vocab_size)
     out = {"kv_bytes": kv_bytes, "max_length": max_length, "requests": len(work), "window_s": args.window}
     # the dense engine prefills a prompt in one piece: it needs a bucket for the longest
-    s = build(model, tok, "vdriver", max_concurrent_decodes=dense_slots, prefill_lengths=[64, 256, 512, 2048],
-              max_length=max_length)
+    s = build(
+        model,
+        tok,
+        "vdriver",
+        max_concurrent_decodes=dense_slots,
+        prefill_lengths=[64, 256, 512, 2048],
+        max_length=max_length,
+    )
     out["vdriver"] = hold(s, work, args.window)
     s.stop()
     del s
-    s = build(model, tok, "odriver", max_concurrent_decodes=64, page_size=args.page_size, kv_cache_bytes=kv_bytes,
-              prefill_lengths=[64, 256, 512], max_length=max_length)
+    s = build(
+        model,
+        tok,
+        "odriver",
+        max_concurrent_decodes=64,
+        page_size=args.page_size,
+        kv_cache_bytes=kv_bytes,
+        prefill_lengths=[64, 256, 512],
+        max_length=max_length,
+    )
     out["odriver"] = hold(s, work, args.window)
     s.stop()
     out["ratio"] = out["odriver"]["mean"] / out["vdriver"]["mean"]
-    print(f"same KV bytes ({kv_bytes / 2**20:.0f} MiB = {dense_slots} x {max_length} tokens), mixed workload:")
+    print(
+        f"same KV bytes ({kv_bytes / 2**20:.0f} MiB = {dense_slots} x {max_length} tokens), mixed workload:"
+    )
     for d in ("vdriver", "odriver"):
         r = out[d]
-        print(f"  {d}: {r['mean']:.1f} sequences decoding on average, {r['max']} at most "
-              f"(preemptions {r['preemptions']})")
+        print(
+            f"  {d}: {r['mean']:.1f} sequences decoding on average, {r['max']} at most "
+            f"(preemptions {r['preemptions']})"
+        )
     print(f"  ratio {out['ratio']:.1f}x")
     return out
 
@@ -147,9 +179,19 @@ def prefix(model, tok, args) -> dict:
     rng = np.random.RandomState(1)
     vocab = model.config.vocab_size
     system = list(rng.randint(100, vocab, size=1000))
-    questions = [list(rng.randint(100, vocab, size=rng.randint(20, 41))) for _ in range(2 * args.prefix_requests)]
-    s = build(model, tok, "odriver", max_concurrent_decodes=8, page_size=args.page_size, max_length=2048,
-              prefill_lengths=[32, 64, 128, 256, 512], kv_cache_bytes=64 * 2048 * BYTES // 8)
+    questions = [
+        list(rng.randint(100, vocab, size=rng.randint(20, 41))) for _ in range(2 * args.prefix_requests)
+    ]
+    s = build(
+        model,
+        tok,
+        "odriver",
+        max_concurrent_decodes=8,
+        page_size=args.page_size,
+        max_length=2048,
+        prefill_lengths=[32, 64, 128, 256, 512],
+        kv_cache_bytes=64 * 2048 * BYTES // 8,
+    )
     mgr = s.driver.engine.manager
 
     def ttfts(qs):
@@ -170,9 +212,11 @@ def prefix(model, tok, args) -> dict:
         "hits": hits,
     }
     out["speedup"] = out["uncached_ttft_s"] / out["cached_ttft_s"]
-    print(f"1,000-token shared system prompt, page size {args.page_size}: first request {out['cold_ttft_s']:.3f}s; "
-          f"later requests {out['cached_ttft_s']:.3f}s with prefix caching vs {out['uncached_ttft_s']:.3f}s "
-          f"without: {out['speedup']:.1f}x")
+    print(
+        f"1,000-token shared system prompt, page size {args.page_size}: first request {out['cold_ttft_s']:.3f}s; "
+        f"later requests {out['cached_ttft_s']:.3f}s with prefix caching vs {out['uncached_ttft_s']:.3f}s "
+        f"without: {out['speedup']:.1f}x"
+    )
     return out
 
 
@@ -207,7 +251,7 @@ def throughput(model, tok, args) -> dict:
     prompts = [list(rng.randint(100, model.config.vocab_size, size=32)) for _ in range(b)]
     outputs = [128] * b
     rates: dict[str, list[float]] = {d: [] for d in surges}
-    for d, s in surges.items():  # warm-up round, not counted
+    for s in surges.values():  # warm-up round, not counted
         run_batch(s, prompts[:4], [8] * 4)
     for _ in range(args.rounds):
         for d, s in surges.items():
@@ -217,8 +261,10 @@ def throughput(model, tok, args) -> dict:
         s.stop()
     out = {d: {"tok_s": statistics.fmean(r), "rounds": r} for d, r in rates.items()}
     out["ratio"] = out["odriver"]["tok_s"] / out["vdriver"]["tok_s"]
-    print(f"{b} concurrent (prompt 32, output 128): vdriver {out['vdriver']['tok_s']:.1f} tok/s, "
-          f"odriver {out['odriver']['tok_s']:.1f} tok/s (page size {args.page_size}): ratio {out['ratio']:.2f}")
+    print(
+        f"{b} concurrent (prompt 32, output 128): vdriver {out['vdriver']['tok_s']:.1f} tok/s, "
+        f"odriver {out['odriver']['tok_s']:.1f} tok/s (page size {args.page_size}): ratio {out['ratio']:.2f}"
+    )
     return out
 
 
@@ -226,7 +272,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["concurrency", "prefix", "throughput", "all"])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--page-size", type=int, default=None, help="default: 16 (concurrency), 64 (others)")
+    ap.add_argument(
+        "--page-size", type=int, default=None, help="default: 16 (concurrency, prefix), 64 (throughput)"
+    )
     ap.add_argument("--dense-slots", type=int, default=8)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--window", type=float, default=60.0)
@@ -238,7 +286,11 @@ def main(argv=None) -> int:
     model, tok = load(args.model)
     results = {"model": args.model}
     page_size = args.page_size
-    for name, fn, ps in (("concurrency", concurrency, 16), ("prefix", prefix, 64), ("throughput", throughput, 64)):
+    for name, fn, ps in (
+        ("concurrency", concurrency, 16),
+        ("prefix", prefix, 16),
+        ("throughput", throughput, 64),
+    ):
         if args.what in (name, "all"):
             args.page_size = page_size or ps
             results[name] = fn(model, tok, args)

@@ -7,6 +7,7 @@ chunked prefill (prompts past the largest bucket), after preemption and on prefi
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -33,7 +34,9 @@ def tiny(tiny_checkpoint):
 
 def _odriver(model, tok, page_size: int, pages: int, **kw) -> vSurge:
     per_page = bytes_per_page(model.config, page_size, model.dtype)
-    s = vSurge.create_odriver(model, tok, page_size=page_size, kv_cache_bytes=(pages + 1) * per_page, **{**SMALL, **kw})
+    s = vSurge.create_odriver(
+        model, tok, page_size=page_size, kv_cache_bytes=(pages + 1) * per_page, **{**SMALL, **kw}
+    )
     s.compile()
     s.start()
     return s
@@ -78,7 +81,9 @@ def no_page_leaks(request):
 def ids_request(ids, max_tokens, **kw):
     kw.setdefault("temperature", 0.0)
     kw.setdefault("ignore_eos", True)
-    return vSurgeRequest(prompt=[int(t) for t in ids], max_tokens=max_tokens, is_client_side_tokenization=True, **kw)
+    return vSurgeRequest(
+        prompt=[int(t) for t in ids], max_tokens=max_tokens, is_client_side_tokenization=True, **kw
+    )
 
 
 def tokens_of(active: ActiveRequest) -> list[int]:
@@ -246,8 +251,62 @@ def test_stop_aborts_returns_every_page_and_restarts(surge, tiny):
     reasons = [x.finish_reason for items in running.channel for x in items if x.finish_reason]
     assert reasons == ["abort"]
     for r in queued:
-        assert [x.finish_reason for items in r.channel for x in items if x.finish_reason] in (["abort"], ["length"])
+        assert [x.finish_reason for items in r.channel for x in items if x.finish_reason] in (
+            ["abort"],
+            ["length"],
+        )
     m = surge.driver.engine.manager
     assert m.num_free == m.num_pages and m.num_cached == 0  # the pages' contents are gone with the state
     surge.start()
     assert run_all(surge, [[9, 8, 7]], [5]) == reference(model, [[9, 8, 7]], [5])
+
+
+def test_cancellations_at_any_moment_always_end_the_request(surge):
+    """Cancel while queued, prefilling, decoding, or just after the last token was dispatched: every request
+    still ends (its channel closes) and every page comes back."""
+    rng = np.random.RandomState(4)
+    reqs = [
+        surge.submit(ids_request(list(rng.randint(3, 300, size=rng.randint(1, 60))), int(rng.randint(1, 8))))
+        for _ in range(24)
+    ]
+    for r, delay in zip(reqs, rng.uniform(0, 0.02, size=len(reqs)), strict=True):
+        time.sleep(delay)
+        r.cancel()
+    ended = []
+
+    def drain(r):
+        list(r.channel)
+        ended.append(r)
+
+    threads = [threading.Thread(target=drain, args=(r,), daemon=True) for r in reqs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(ended) == len(reqs), f"{len(reqs) - len(ended)} cancelled requests never ended"
+
+
+def test_pages_sharded_over_kv_heads_on_a_mesh(tiny):
+    """tp=4 on 8 fake devices: one kv head of every page per device, and the same tokens as unsharded."""
+    from vsurge.models.sharding import make_mesh
+
+    model, tok = tiny
+    s = _odriver(
+        model,
+        tok,
+        page_size=8,
+        pages=16,
+        max_concurrent_decodes=2,
+        mesh=make_mesh("tp=4"),
+        prefill_lengths=[32],
+        max_length=64,
+    )
+    try:
+        k, _ = s.driver.engine.init_decode_state().pages[0]  # a fresh state: the driver holds its own
+        assert k.sharding.shard_shape(k.shape) == (17, 8, 1, 8)
+        prompts = [[5, 6, 7], list(range(10, 50))]  # the second one is prefilled in two chunks
+        assert run_all(s, prompts, [12, 12]) == reference(model, prompts, [12, 12])
+    finally:
+        s.stop()
+    m = s.driver.engine.manager
+    assert m.num_free == m.num_pages

@@ -93,8 +93,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.seqs: dict[int, list[int]] = {}  # id -> tokens
         self.ids = itertools.count()
 
-    @rule(prefix=st.sampled_from([(), (1, 2, 3), (1, 2, 3, 4, 5, 6), (7, 7, 7)]),
-          rest=st.lists(st.integers(0, 3), min_size=1, max_size=10))
+    @rule(
+        prefix=st.sampled_from([(), (1, 2, 3), (1, 2, 3, 4, 5, 6), (7, 7, 7)]),
+        rest=st.lists(st.integers(0, 3), min_size=1, max_size=10),
+    )
     def submit(self, prefix, rest):
         tokens = list(prefix) + rest
         keys = page_hashes(tokens, 3)
@@ -232,14 +234,23 @@ def test_scheduler_never_deadlocks_or_leaks(data, ps, slots, extra_pages):
     ]
     max_tokens = [data.draw(st.integers(1, 20)) for _ in range(n)]
     stops = [data.draw(st.integers(1, 25)) for _ in range(n)]
-    _simulate(prompts, max_tokens, stops, pages=width + extra_pages, ps=ps, slots=slots, max_length=max_length,
-              chunk=data.draw(st.sampled_from([3, 8])))
+    _simulate(
+        prompts,
+        max_tokens,
+        stops,
+        pages=width + extra_pages,
+        ps=ps,
+        slots=slots,
+        max_length=max_length,
+        chunk=data.draw(st.sampled_from([3, 8])),
+    )
 
 
 def test_scheduler_preempts_the_youngest_when_pages_run_out():
     # 3 sequences want 5 pages each over time; 8 pages hold one whole and some of another
-    _, preemptions = _simulate([[1] * 3, [2] * 3, [3] * 3], [17, 17, 17], [99] * 3,
-                               pages=8, ps=4, slots=3, max_length=20, chunk=8)
+    _, preemptions = _simulate(
+        [[1] * 3, [2] * 3, [3] * 3], [17, 17, 17], [99] * 3, pages=8, ps=4, slots=3, max_length=20, chunk=8
+    )
     assert preemptions > 0
 
 
@@ -286,7 +297,10 @@ class _Dev:
 
 
 def test_kv_budget_from_device_memory_or_explicit_bytes():
-    assert kv_budget_bytes([_Dev(None)], 0.6, None) == (DEFAULT_HOST_KV_BYTES, "default (device reports no memory)")
+    assert kv_budget_bytes([_Dev(None)], 0.6, None) == (
+        DEFAULT_HOST_KV_BYTES,
+        "default (device reports no memory)",
+    )
     stats = {"bytes_limit": 1000, "bytes_in_use": 200}
     assert kv_budget_bytes([_Dev(stats), _Dev({"bytes_limit": 2000})], 0.5, None)[0] == 400
     assert kv_budget_bytes([_Dev(stats)], 0.5, 12345)[0] == 12345
@@ -314,8 +328,13 @@ def test_cache_size_and_sharding():
     pages = combined.allocate()
     assert len(pages) == 2 and combined.nbytes == 11 * per_page
     assert pages[0].sharding.shard_shape(pages[0].shape) == (11, 16, 2, 8)  # K and V of one head per device
-    odd = PagedAttentionCache.create(SimpleNamespace(num_layers=1, num_kv_heads=3, head_dim=8), 16,
-                                     kv_cache_bytes=4 * per_page, mesh=make_mesh("tp=2"), layout="combined")
+    odd = PagedAttentionCache.create(
+        SimpleNamespace(num_layers=1, num_kv_heads=3, head_dim=8),
+        16,
+        kv_cache_bytes=4 * per_page,
+        mesh=make_mesh("tp=2"),
+        layout="combined",
+    )
     assert odd.sharding.is_fully_replicated  # 3 heads do not split in 2: K and V of a head stay together
 
 
@@ -366,10 +385,35 @@ def test_paged_decode_equals_dense_decode(window, layout, monkeypatch):
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
     if window is None and layout == "combined":
-        ref = ref_ragged_paged_attention(q[:, 0], new_pages, pos + 1, jnp.asarray(table[:, :6]),
-                                         jnp.arange(s + 1, dtype=jnp.int32), jnp.array([s], jnp.int32),
-                                         sm_scale=1.0 / np.sqrt(d))
+        ref = ref_ragged_paged_attention(
+            q[:, 0],
+            new_pages,
+            pos + 1,
+            jnp.asarray(table[:, :6]),
+            jnp.arange(s + 1, dtype=jnp.int32),
+            jnp.array([s], jnp.int32),
+            sm_scale=1.0 / np.sqrt(d),
+        )
         np.testing.assert_allclose(np.asarray(ref), np.asarray(paged[:, 0]), rtol=1e-5, atol=1e-5)
+
+
+def test_tpu_kernel_call_matches_dense(monkeypatch):
+    """The TPU path, with JAX's pure-JAX reference standing in for the Pallas kernel (it cannot run here)."""
+    import jax.experimental.pallas.ops.tpu.ragged_paged_attention as rpa
+
+    import vsurge.models.paged_attention as pa
+
+    monkeypatch.setattr(pa, "use_pallas", lambda: True)
+    monkeypatch.setattr(rpa, "ragged_paged_attention", rpa.ref_ragged_paged_attention)
+    rng = np.random.RandomState(5)
+    s, n, h, kvh, d, ps = 3, 16, 4, 2, 8, 4
+    kc, vc = (jnp.asarray(rng.randn(s, n, kvh, d), jnp.float32) for _ in range(2))
+    q, k, v = (jnp.asarray(rng.randn(s, 1, x, d), jnp.float32) for x in (h, kvh, kvh))
+    pos = jnp.asarray([0, 9, 15], jnp.int32)
+    dense, _ = DenseDecodeAttention()(q, k, v, (kc, vc), pos)
+    pages, table = _paged_copy(kc, vc, ps, rng, "combined")
+    got, _ = PagedDecodeAttention(ps, 4)(q, k, v, pages, (pos, jnp.asarray(table)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dense), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["split", "combined"])
@@ -391,11 +435,16 @@ def test_chunk_prefill_over_pages_equals_whole_prefill(start, layout):
     else:
         pages = (jnp.zeros((6, ps, kvh, d), jnp.float32), jnp.zeros((6, ps, kvh, d), jnp.float32))
         for p in range(start):
-            pages = (pages[0].at[row[p // ps], p % ps].set(k[0, p]), pages[1].at[row[p // ps], p % ps].set(v[0, p]))
+            pages = (
+                pages[0].at[row[p // ps], p % ps].set(k[0, p]),
+                pages[1].at[row[p // ps], p % ps].set(v[0, p]),
+            )
     n = total - start  # the chunk, right-padded to t
     pad = lambda x: jnp.pad(x[:, start:], ((0, 0), (0, t - n), (0, 0), (0, 0)))  # noqa: E731
     pos = (start + jnp.arange(t, dtype=jnp.int32))[None]
-    out, new = PagedPrefillAttention(ps, 5)(pad(q), pad(k), pad(v), pages, (pos, jnp.int32(total), jnp.asarray(row)))
+    out, new = PagedPrefillAttention(ps, 5)(
+        pad(q), pad(k), pad(v), pages, (pos, jnp.int32(total), jnp.asarray(row))
+    )
     np.testing.assert_allclose(np.asarray(out[0, :n]), np.asarray(whole[0, start:]), rtol=1e-5, atol=1e-5)
     # padding went to the scratch page, every real token to its page
     kn, vn = gather_kv(new, jnp.asarray(row))
@@ -418,5 +467,7 @@ def test_paged_decode_on_a_mesh_equals_unsharded():
 
     shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
     spec = P(None, None, "tp")
-    got, new = att(shard(q, spec), shard(k, spec), shard(v, spec), tuple(shard(x, spec) for x in pages), table)
+    got, new = att(
+        shard(q, spec), shard(k, spec), shard(v, spec), tuple(shard(x, spec) for x in pages), table
+    )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -40,7 +40,9 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
     """vDriver's request lifecycle (submit, cancel, fail alone, graceful stop, metrics) over an oEngine."""
 
     def __init__(self, engine: oEngine, detokenizing_blocks: int = 8, max_queue_size: int = 1024):
-        super().__init__(engine, engine, detokenizing_blocks=detokenizing_blocks, max_queue_size=max_queue_size)
+        super().__init__(
+            engine, engine, detokenizing_blocks=detokenizing_blocks, max_queue_size=max_queue_size
+        )
         self._engine = engine
         self._lane = self._lanes[0]
         self._sched = PageScheduler(
@@ -99,8 +101,11 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
         if self._live:
             return
         self._live = True
-        for fn, name in ((self._prepare_loop, "prefill-0"), (self._generate_loop, "generate-0"),
-                         (self._detokenize_loop, "detokenize-0")):
+        for fn, name in (
+            (self._prepare_loop, "prefill-0"),
+            (self._generate_loop, "generate-0"),
+            (self._detokenize_loop, "detokenize-0"),
+        ):
             t = threading.Thread(target=fn, args=(self._lane,), name=f"vsurge-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -128,7 +133,9 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
         if n < 1:
             raise ValueError("empty prompt")
         if n >= eng.max_length:
-            raise ValueError(f"prompt of {n} tokens leaves no room to generate within max_length {eng.max_length}")
+            raise ValueError(
+                f"prompt of {n} tokens leaves no room to generate within max_length {eng.max_length}"
+            )
         tokens = np.asarray(req.prompt_ids + list(generated), np.int32)
         if keys is None:
             keys = page_hashes(tokens, eng.page_size)
@@ -300,11 +307,18 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
 
     def _take_token(self, lane, seq: Seq, host, row: int, max_length: int) -> bool:
         req = seq.req
-        if req.samples[seq.index].done or req.cancelled or req.error is not None:
+        if req.cancelled:
+            # a sequence the generate thread released on its own (max_tokens reached) may never be seen
+            # there again: end the request here (idempotent), or nobody would
+            self._finish(req, "abort")
+            return False
+        if req.samples[seq.index].done or req.error is not None:
             return False
         tokens, logprob, top_ids, top_lps = host
         try:
-            finish = req.add_token(seq.index, int(tokens[row]), logprob[row], top_ids[row], top_lps[row], max_length)
+            finish = req.add_token(
+                seq.index, int(tokens[row]), logprob[row], top_ids[row], top_lps[row], max_length
+            )
         except Exception as e:
             self._fail(req, f"detokenization failed: {e}")
             req.cancel()  # the generate thread frees its slots and pages

@@ -93,8 +93,14 @@ def _prefill_impl(graphdef, params, pages, tokens, start, length, row, *, page_s
 def _seat_impl(state: PagedState, logits, slot, length, inputs: SeqInputs, *, num_top: int, shardings):
     """Sample the token after a chunk and seat the sequence in its slot (one shape for every chunk)."""
     with _sampling_context(shardings):
-        first = sample(logits[None], inputs.sampling, inputs.counts[None], inputs.prompt_mask[None],
-                       inputs.step[None], num_top)
+        first = sample(
+            logits[None],
+            inputs.sampling,
+            inputs.counts[None],
+            inputs.prompt_mask[None],
+            inputs.step[None],
+            num_top,
+        )
     new = state._replace(
         tokens=state.tokens.at[slot].set(first.tokens[0]),
         positions=state.positions.at[slot].set(length),
@@ -106,8 +112,19 @@ def _seat_impl(state: PagedState, logits, slot, length, inputs: SeqInputs, *, nu
     return _constrain(new, shardings), first
 
 
-def _forward_impl(graphdef, params, pages, tokens, positions, table, *, rows: int, page_size: int, num_pages: int,
-                  logits_sharding):
+def _forward_impl(
+    graphdef,
+    params,
+    pages,
+    tokens,
+    positions,
+    table,
+    *,
+    rows: int,
+    page_size: int,
+    num_pages: int,
+    logits_sharding,
+):
     """The model over the first ``rows`` slots reading ``num_pages`` page columns (cf. vEngine's forward)."""
     model = nnx.merge(graphdef, params)
     backend = PagedDecodeAttention(page_size, num_pages, window=model.config.sliding_window)
@@ -164,11 +181,17 @@ class oEngine:  # noqa: N801 - the seed's name
         self.max_length = int(max_length or min(cfg.max_position_embeddings, 2048))
         lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
         # the largest chunk; longer prompts are prefilled in several chunks
-        self.max_prefill_length = int(max_prefill_length or (lengths[-1] if lengths else min(512, self.max_length)))
+        self.max_prefill_length = int(
+            max_prefill_length or (lengths[-1] if lengths else min(512, self.max_length))
+        )
         if self.max_prefill_length > self.max_length:
-            raise ValueError(f"max_prefill_length {self.max_prefill_length} exceeds max_length {self.max_length}")
+            raise ValueError(
+                f"max_prefill_length {self.max_prefill_length} exceeds max_length {self.max_length}"
+            )
         self.prefill_lengths = [
-            n for n in (lengths or default_prefill_lengths(self.max_prefill_length)) if n <= self.max_prefill_length
+            n
+            for n in (lengths or default_prefill_lengths(self.max_prefill_length))
+            if n <= self.max_prefill_length
         ]
         if not self.prefill_lengths or self.prefill_lengths[-1] != self.max_prefill_length:
             self.prefill_lengths.append(self.max_prefill_length)
@@ -181,7 +204,12 @@ class oEngine:  # noqa: N801 - the seed's name
         self.params = place_params(params, cfg, mesh) if mesh is not None else params
         if storage is None:
             storage = PagedAttentionCache.create(
-                cfg, page_size, hbm_utilization, kv_cache_bytes, dtype=model.dtype, mesh=mesh,
+                cfg,
+                page_size,
+                hbm_utilization,
+                kv_cache_bytes,
+                dtype=model.dtype,
+                mesh=mesh,
                 device=None if mesh is not None else self._device(),
             )
         self.storage = storage
@@ -190,6 +218,13 @@ class oEngine:  # noqa: N801 - the seed's name
             raise ValueError("the page manager does not match the cache (page size or page count)")
         self.page_size = storage.page_size
         self.table_width = -(-self.max_length // self.page_size)
+        if self.manager.num_pages < self.table_width:
+            # the oldest sequence must always be able to finish alone, or preemption could deadlock
+            raise ValueError(
+                f"the KV cache holds {self.manager.num_pages} pages of {self.page_size} tokens but one "
+                f"sequence of max_length {self.max_length} needs {self.table_width}: raise kv_cache_bytes / "
+                "hbm_utilization or lower max_length"
+            )
         self.page_buckets = page_buckets(self.max_length, self.page_size, min_decode_tokens)
         self._state_shardings = self._make_state_shardings()
         shardings = self._state_shardings
@@ -200,21 +235,31 @@ class oEngine:  # noqa: N801 - the seed's name
             n: jax.jit(partial(_prefill_impl, self.graphdef, page_size=ps, num_pages=n), donate_argnums=(1,))
             for n in self.page_buckets
         }
-        self._seat = jax.jit(partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings), donate_argnums=(0,))
+        self._seat = jax.jit(
+            partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings), donate_argnums=(0,)
+        )
         self.decode_rows = row_buckets(self.max_concurrent_decodes)
         logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
         self._forward = {
             (rows, n): jax.jit(
-                partial(_forward_impl, self.graphdef, rows=rows, page_size=ps, num_pages=n,
-                        logits_sharding=logits_sharding),
+                partial(
+                    _forward_impl,
+                    self.graphdef,
+                    rows=rows,
+                    page_size=ps,
+                    num_pages=n,
+                    logits_sharding=logits_sharding,
+                ),
                 donate_argnums=(1,),
             )
             for rows in self.decode_rows
             for n in self.page_buckets
         }
         self._sample = {
-            rows: jax.jit(partial(_sample_impl, rows=rows, num_top=num_top_logprobs, shardings=shardings),
-                          donate_argnums=(0,))
+            rows: jax.jit(
+                partial(_sample_impl, rows=rows, num_top=num_top_logprobs, shardings=shardings),
+                donate_argnums=(0,),
+            )
             for rows in self.decode_rows
         }
         self._zeros_v: jax.Array | None = None
@@ -342,21 +387,36 @@ class oEngine:  # noqa: N801 - the seed's name
         say = progress or log.info
         t0 = time.perf_counter()
         state = self.init_decode_state()
-        inputs = self.seq_inputs(SamplingParams(temperature=0.0, max_tokens=1), [], np.zeros(2, np.uint32), [0])
+        inputs = self.seq_inputs(
+            SamplingParams(temperature=0.0, max_tokens=1), [], np.zeros(2, np.uint32), [0]
+        )
         row = np.zeros(self.table_width, np.int32)
         v = self.config.vocab_size
         rep = self._replicated()
         # committed to the device like the driver's table: jit keys on that, and a miss is a compile
         table = jax.device_put(np.zeros((self.max_concurrent_decodes, self.table_width), np.int32), rep)
         zero, logits = np.int32(0), jax.device_put(jnp.zeros((v,), jnp.float32), rep)
-        jobs = [(f"prefill chunk {t} x {n} pages", self._prefill[n],
-                 (self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row))
-                for t, n in self.prefill_shapes()]
+        jobs = [
+            (
+                f"prefill chunk {t} x {n} pages",
+                self._prefill[n],
+                (self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row),
+            )
+            for t, n in self.prefill_shapes()
+        ]
         jobs.append(("seat", self._seat, (state, logits, zero, zero, inputs)))
-        jobs += [(f"decode slots={r} x {n} pages", fn, (self.params, state.pages, state.tokens, state.positions, table))
-                 for (r, n), fn in self._forward.items()]
-        jobs += [(f"sampler slots={r}", fn, (state, jax.device_put(jnp.zeros((r, v), jnp.float32), rep)))
-                 for r, fn in self._sample.items()]
+        jobs += [
+            (
+                f"decode slots={r} x {n} pages",
+                fn,
+                (self.params, state.pages, state.tokens, state.positions, table),
+            )
+            for (r, n), fn in self._forward.items()
+        ]
+        jobs += [
+            (f"sampler slots={r}", fn, (state, jax.device_put(jnp.zeros((r, v), jnp.float32), rep)))
+            for r, fn in self._sample.items()
+        ]
 
         def build(job):
             name, fn, args = job
@@ -368,7 +428,9 @@ class oEngine:  # noqa: N801 - the seed's name
             for line in pool.map(build, jobs):
                 say(line)
         for t, n in self.prefill_shapes():  # warm every program on the real state
-            pages, logits = self._prefill[n](self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row)
+            pages, logits = self._prefill[n](
+                self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row
+            )
             state = state._replace(pages=pages)
         state, first = self._seat(state, logits, zero, np.int32(1), inputs)
         for (r, _n), fn in self._forward.items():

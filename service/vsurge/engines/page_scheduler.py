@@ -49,8 +49,16 @@ class Seq:
 
     def fresh(self) -> Seq:
         """A copy to recompute from scratch (a prefilling sequence that was preempted)."""
-        return Seq(self.req, self.index, self.tokens, self.keys, self.generated, self.prompt_len, self.max_tokens,
-                   self.inputs)
+        return Seq(
+            self.req,
+            self.index,
+            self.tokens,
+            self.keys,
+            self.generated,
+            self.prompt_len,
+            self.max_tokens,
+            self.inputs,
+        )
 
 
 @dataclass

@@ -49,7 +49,9 @@ def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> list[byte
     arr = np.asarray(tokens, dtype=np.int32)
     out, parent = [], _ROOT
     for i in range(len(arr) // page_size):
-        parent = hashlib.blake2b(parent + arr[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16).digest()
+        parent = hashlib.blake2b(
+            parent + arr[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16
+        ).digest()
         out.append(parent)
     return out
 
@@ -128,11 +130,15 @@ class PagedAttentionCache:
                 f"a KV budget of {budget} bytes ({source}) holds no page of {per_page} bytes; "
                 "raise kv_cache_bytes / hbm_utilization or lower page_size"
             )
-        log.info("KV cache: %d pages of %d tokens (%d bytes each, %s)", num_pages, page_size, per_page, source)
+        log.info(
+            "KV cache: %d pages of %d tokens (%d bytes each, %s)", num_pages, page_size, per_page, source
+        )
         layout = layout or ("combined" if use_pallas() else "split")
         if layout not in ("split", "combined"):
             raise ValueError(f"layout must be 'split' or 'combined', got {layout!r}")
-        return cls(num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, mesh, device, layout)
+        return cls(
+            num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, mesh, device, layout
+        )
 
     @property
     def page_shape(self) -> tuple[int, ...]:
@@ -186,7 +192,9 @@ class HBMPageManager:
         self._tables: dict[Hashable, list[int]] = {}
         self._cache: dict[bytes, int] = {}  # key -> page
         self._key: dict[int, bytes] = {}  # page -> key
-        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unowned; oldest first
+        self._lru: collections.OrderedDict[int, None] = (
+            collections.OrderedDict()
+        )  # cached, unowned; oldest first
         self.hits = 0  # sequences that reused at least one cached page
         self.hit_pages = 0
         self.evictions = 0
@@ -343,7 +351,9 @@ class HBMPageManager:
         free = collections.Counter(self._free)
         assert all(n == 1 for n in free.values()), "a page is in the free list twice"
         for p in pages:
-            assert self._refs[p] == refs.get(p, 0), f"page {p}: refcount {self._refs[p]} != {refs.get(p, 0)} tables"
+            assert self._refs[p] == refs.get(p, 0), (
+                f"page {p}: refcount {self._refs[p]} != {refs.get(p, 0)} tables"
+            )
             places = (p in free) + (p in self._lru) + (self._refs[p] > 0)
             assert places == 1, f"page {p} is in {places} places (free / cached LRU / owned)"
             if p in free:
@@ -351,7 +361,9 @@ class HBMPageManager:
             if p in self._lru:
                 assert p in self._key, f"page {p} waits in the LRU without a key"
             if self._refs[p] > 1:
-                assert p in self._key, f"page {p} is owned {self._refs[p]} times but is not a shared cached page"
+                assert p in self._key, (
+                    f"page {p} is owned {self._refs[p]} times but is not a shared cached page"
+                )
         assert all(self._cache[k] == p for p, k in self._key.items()), "prefix cache maps disagree"
         assert len(self._cache) == len(self._key)
         assert self.num_free + sum(1 for p in pages if self._refs[p] > 0) == self.num_pages

@@ -51,7 +51,9 @@ def write_kv(cache, k: jnp.ndarray, v: jnp.ndarray, page_ids: jnp.ndarray, offse
     """Scatter k, v [N, KVH, D] to (page_ids[N], offsets[N]); in place when the caller donates ``cache``."""
     if isinstance(cache, tuple):
         kc, vc = cache
-        return kc.at[page_ids, offsets].set(k.astype(kc.dtype)), vc.at[page_ids, offsets].set(v.astype(vc.dtype))
+        return kc.at[page_ids, offsets].set(k.astype(kc.dtype)), vc.at[page_ids, offsets].set(
+            v.astype(vc.dtype)
+        )
     return cache.at[page_ids, offsets].set(combine_kv(k, v).astype(cache.dtype))
 
 
@@ -119,7 +121,7 @@ def decode_over_pages(q, cache, view, positions, page_size: int, window: int | N
     qg = q[:, 0].reshape(s, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
 
     def body(j, carry):
-        m, l, acc = carry
+        m, denom, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(view, j * blk, blk, axis=1)
         ks = kc[ids].reshape(s, n, kvh, d).astype(jnp.float32)
         vs = vc[ids].reshape(s, n, kvh, d).astype(jnp.float32)
@@ -128,18 +130,18 @@ def decode_over_pages(q, cache, view, positions, page_size: int, window: int | N
         m_new = jnp.maximum(m, jnp.max(jnp.where(ok, scores, _NEG), axis=1))
         p = jnp.where(ok, jnp.exp(scores - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
-        l = l * corr + jnp.sum(p, axis=1)
+        denom = denom * corr + jnp.sum(p, axis=1)
         acc = acc * corr[..., None] + jnp.sum(p[..., None] * vs[:, :, :, None, :], axis=1)
-        return m_new, l, acc
+        return m_new, denom, acc
 
     init = (
         jnp.full((s, kvh, g), _NEG, jnp.float32),
         jnp.zeros((s, kvh, g), jnp.float32),
         jnp.zeros((s, kvh, g, d), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, view.shape[1] // blk, body, init)
-    # every row sees position 0 (or its window), so l > 0; idle rows read scratch and are never used
-    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    _, denom, acc = jax.lax.fori_loop(0, view.shape[1] // blk, body, init)
+    # every row sees position 0 (or its window), so denom > 0; idle rows read scratch and are never used
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]
     return out.reshape(s, 1, h, d).astype(q.dtype)
 
 
@@ -202,10 +204,11 @@ class PagedPrefillAttention:
         return out.reshape(1, t, h, d).astype(q.dtype), cache
 
 
-def _pallas(q, pages, kv_lens, table, window):  # pragma: no cover - TPU only
+def _pallas(q, pages, kv_lens, table, window):
     """Decode through JAX's ragged paged attention kernel: one query per row, the last of its kv_len keys.
 
-    q [S, 1, H, D]. kv_lens of idle slots are clamped into the table; their output is never read.
+    q [S, 1, H, D]. kv_lens of idle slots are clamped into the table; their output is never read. (Runs
+    only on TPU; the tests check this call against the kernel's pure-JAX reference.)
     """
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
