@@ -262,3 +262,23 @@ def test_stop_is_graceful_and_aborts_running(tiny):
     reasons = [x.finish_reason for items in req.channel for x in items if x.finish_reason]
     assert reasons in (["abort"], ["length"])
     assert s.driver.num_used_slots == 0 or not s.driver.live
+
+
+def test_stop_ends_requests_still_waiting_for_a_slot(tiny):
+    model, tok = tiny
+    s = vSurge.create_vdriver(model, tok, max_concurrent_decodes=1, prefill_lengths=[16], max_length=MAX_LEN)
+    s.start()
+    reqs = [s.submit(ids_request([1, 2, i], MAX_LEN - 8)) for i in range(3, 7)]
+    next(iter(reqs[0].channel))  # one decodes, the others wait for its slot
+    s.stop()
+    done = threading.Event()
+
+    def drain():
+        for r in reqs:
+            for _ in r.channel:
+                pass
+        done.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    assert done.wait(10), "a request still queued at stop() never ended"
+    assert all(r.done for r in reqs)

@@ -175,7 +175,10 @@ class vDriver:  # noqa: N801 - the seed's name
         for t in self._threads:
             t.join(timeout=30)
         self._threads.clear()
-        # whatever is left in a queue was never started: abort it
+        # whatever is left in a queue or waiting for a slot was never started: abort it
+        for lane in self._lanes:
+            while lane.waiting:
+                self._finish(lane.waiting.popleft()[0], "abort")
         for q in [self._prefill_q, self._transfer_q] + [lane.backlog for lane in self._lanes]:
             while True:
                 try:
@@ -236,7 +239,8 @@ class vDriver:  # noqa: N801 - the seed's name
             except Exception as e:  # one bad request must not take the driver down
                 self._fail(req, f"prefill failed: {e}")
                 continue
-            self._put_blocking(self._transfer_q, (req, engine, prefix))
+            if not self._put_blocking(self._transfer_q, (req, engine, prefix)):
+                self._finish(req, "abort")  # stopping: the hand-off never happened
 
     def _put_blocking(self, q: queue.Queue, item) -> bool:
         while self._live:
@@ -262,7 +266,8 @@ class vDriver:  # noqa: N801 - the seed's name
                 self._fail(req, f"transfer failed: {e}")
                 continue
             req.metadata.prefill_done_at = time.time()
-            self._put_blocking(lane.backlog, (req, prefix))
+            if not self._put_blocking(lane.backlog, (req, prefix)):
+                self._finish(req, "abort")
 
     def _release(self, lane: _DecodeLane, slot: int) -> None:
         lane.owners[slot] = None
