@@ -47,7 +47,7 @@ from .vengine import (
     _sample_impl,
     _sampling_context,
     decode_buckets,
-    default_prefill_lengths,
+    plan_lengths,
     row_buckets,
     vEngine,
 )
@@ -178,23 +178,10 @@ class oEngine:  # noqa: N801 - the seed's name
         self.mesh = mesh
         self.max_concurrent_decodes = int(max_concurrent_decodes or 16)
         self.max_concurrent_prefill = int(max_concurrent_prefill or 1)
-        self.max_length = int(max_length or min(cfg.max_position_embeddings, 2048))
-        lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
-        # the largest chunk; longer prompts are prefilled in several chunks
-        self.max_prefill_length = int(
-            max_prefill_length or (lengths[-1] if lengths else min(512, self.max_length))
+        # the largest bucket is the largest chunk; longer prompts are prefilled in several chunks
+        self.max_length, self.max_prefill_length, self.prefill_lengths = plan_lengths(
+            cfg, max_length, prefill_lengths, max_prefill_length, default_max_prefill=512
         )
-        if self.max_prefill_length > self.max_length:
-            raise ValueError(
-                f"max_prefill_length {self.max_prefill_length} exceeds max_length {self.max_length}"
-            )
-        self.prefill_lengths = [
-            n
-            for n in (lengths or default_prefill_lengths(self.max_prefill_length))
-            if n <= self.max_prefill_length
-        ]
-        if not self.prefill_lengths or self.prefill_lengths[-1] != self.max_prefill_length:
-            self.prefill_lengths.append(self.max_prefill_length)
         self.batch_size = batch_size
         self.samples_per_slot = 1
         self.num_top_logprobs = num_top_logprobs

@@ -61,6 +61,26 @@ class Prefix(NamedTuple):
     sampling: SlotSampling  # one row
 
 
+def plan_lengths(
+    cfg: Any,
+    max_length: int | None,
+    prefill_lengths: Sequence[int] | None,
+    max_prefill_length: int | None,
+    *,
+    default_max_prefill: int,
+) -> tuple[int, int, list[int]]:
+    """(max_length, max_prefill_length, prefill buckets) from the engine arguments, shared by both engines."""
+    max_len = int(max_length or min(cfg.max_position_embeddings, 2048))
+    lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
+    max_prefill = int(max_prefill_length or (lengths[-1] if lengths else min(default_max_prefill, max_len)))
+    if max_prefill > max_len:
+        raise ValueError(f"max_prefill_length {max_prefill} exceeds max_length {max_len}")
+    buckets = [n for n in (lengths or default_prefill_lengths(max_prefill)) if n <= max_prefill]
+    if not buckets or buckets[-1] != max_prefill:
+        buckets.append(max_prefill)
+    return max_len, max_prefill, buckets
+
+
 def default_prefill_lengths(max_prefill_length: int) -> list[int]:
     out, n = [], 32
     while n < max_prefill_length:
@@ -191,22 +211,9 @@ class vEngine:  # noqa: N801 - the seed's name
         self.mesh = mesh
         self.max_concurrent_decodes = int(max_concurrent_decodes or 16)
         self.max_concurrent_prefill = int(max_concurrent_prefill or 1)
-        self.max_length = int(max_length or min(cfg.max_position_embeddings, 2048))
-        lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
-        self.max_prefill_length = int(
-            max_prefill_length or (lengths[-1] if lengths else min(1024, self.max_length))
+        self.max_length, self.max_prefill_length, self.prefill_lengths = plan_lengths(
+            cfg, max_length, prefill_lengths, max_prefill_length, default_max_prefill=1024
         )
-        if self.max_prefill_length > self.max_length:
-            raise ValueError(
-                f"max_prefill_length {self.max_prefill_length} exceeds max_length {self.max_length}"
-            )
-        self.prefill_lengths = [
-            n
-            for n in (lengths or default_prefill_lengths(self.max_prefill_length))
-            if n <= self.max_prefill_length
-        ]
-        if not self.prefill_lengths or self.prefill_lengths[-1] != self.max_prefill_length:
-            self.prefill_lengths.append(self.max_prefill_length)
         self.decode_lengths = decode_buckets(self.max_length)
         self.batch_size = batch_size
         self.samples_per_slot = 1
