@@ -58,8 +58,10 @@ class vSurge:  # noqa: N801 - the seed's name
         mesh: Any = None,
         interleaved_mode: bool = False,
         max_queue_size: int = 1024,
+        max_concurrent_prefill: int | None = None,
     ) -> vSurge:
-        """One vEngine doing both prefill and decode, driven by a vDriver."""
+        """One vEngine doing both prefill and decode, driven by a vDriver. ``max_concurrent_prefill``:
+        how many waiting prompts one prefill call packs together (default 16)."""
         if isinstance(mesh, str):
             from .models.sharding import make_mesh
 
@@ -68,6 +70,7 @@ class vSurge:  # noqa: N801 - the seed's name
             model,
             processor,
             max_concurrent_decodes=max_concurrent_decodes,
+            max_concurrent_prefill=max_concurrent_prefill,
             prefill_lengths=prefill_lengths,
             max_prefill_length=max_prefill_length,
             max_length=max_length,

@@ -282,3 +282,70 @@ def test_stop_ends_requests_still_waiting_for_a_slot(tiny):
     threading.Thread(target=drain, daemon=True).start()
     assert done.wait(10), "a request still queued at stop() never ended"
     assert all(r.done for r in reqs)
+
+
+def _engine_greedy(engine, prefix, entries, steps):
+    """Insert entries (index, slot) of one prefix and decode greedily; returns each slot's tokens."""
+    state = engine.init_decode_state()
+    out = {slot: [] for _, slot in entries}
+    for j, slot in entries:
+        state, first = engine.insert(prefix, state, slot, index=j)
+        out[slot].append(int(np.asarray(first.tokens)[0]))
+    for _ in range(steps - 1):
+        state, res = engine.decode(state)
+        toks = np.asarray(res.tokens)
+        for _, slot in entries:
+            out[slot].append(int(toks[slot]))
+    for _, slot in entries:
+        engine.free_resource(slot)
+    return out
+
+
+def test_packed_prefill_equals_reference(tiny):
+    # Several prompts prefilled in one call, packed one after another in one bucket: each entry's cache
+    # and first token are its own prompt's, whatever its neighbours are.
+    from vsurge.engines.vengine import vEngine
+
+    model, tok = tiny
+    engine = vEngine(model, tok, max_concurrent_decodes=4, prefill_lengths=[16, 64], max_length=MAX_LEN)
+    prompts = [[7, 8, 9], list(range(20, 45)), [11] * 9, list(range(100, 117))]
+    greedy = SamplingParams(temperature=0.0)
+    prefix = engine.prefill_many(prompts, [greedy] * 4)
+    assert prefix.kv[0][0].shape[0] == 64  # 3 + 25 + 9 + 17 = 54 tokens share the 64 bucket
+    got = _engine_greedy(engine, prefix, [(0, 2), (1, 0), (2, 3), (3, 1)], 12)
+    want = [greedy_generate(model, [p], 12)[0] for p in prompts]
+    assert [got[2], got[0], got[3], got[1]] == want
+    with pytest.raises(ValueError, match="exceeds max_prefill_length"):
+        engine.prefill_many([list(range(3, 40)), list(range(3, 40))], [greedy] * 2)  # 74 > 64
+
+
+def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
+    # A burst of requests: the prefill thread takes what is waiting in one call (within the largest
+    # bucket) and every request still gets exactly its reference tokens.
+    model, tok = tiny
+    s = vSurge.create_vdriver(
+        model, tok, max_concurrent_decodes=4, prefill_lengths=BUCKETS, max_length=MAX_LEN
+    )
+    engine = s.driver.engines[0]
+    sizes: list[int] = []
+    real = engine.prefill_many
+
+    def counting(prompts, *a, **kw):
+        sizes.append(len(prompts))
+        return real(prompts, *a, **kw)
+
+    s.compile()
+    engine.prefill_many = counting
+    rng = np.random.RandomState(3)
+    prompts = [list(rng.randint(3, 300, size=n)) for n in rng.randint(2, 30, size=10)]
+    want = [greedy_generate(model, [p], 6)[0] for p in prompts]
+    s.driver.interleaved_mode = True  # requests pile up while the first prefill waits for a step
+    s.start()
+    try:
+        actives = [s.submit(ids_request(p, 6)) for p in prompts]
+        got = [[t for items in a.channel for x in items for t in x.token_ids] for a in actives]
+    finally:
+        s.stop()
+    assert got == want
+    assert sum(sizes) == len(prompts) and max(sizes) > 1, sizes
+    assert s.driver.num_used_slots == 0

@@ -4,6 +4,10 @@
            -> [backlog per decode engine] -> generate thread -> [detokenize queue] -> detokenize thread
            -> each request's ReturnChannel
 
+A prefill thread packs the prompts waiting in the queue (up to the engine's max_concurrent_prefill, within
+its prefill_pack_tokens) into one prefill call: under load the prompt work is batched, while a lone
+prompt goes at once.
+
 The generate thread owns the decode state and the slots (plain integers). It dispatches decode step n+1
 before it reads the tokens of step n, so the device never waits for Python. Finished samples are handed
 back by the detokenize thread through a release queue; cancelled requests are noticed on the next step.
@@ -179,15 +183,25 @@ class vDriver:  # noqa: N801 - the seed's name
         for lane in self._lanes:
             while lane.waiting:
                 self._finish(lane.waiting.popleft()[0], "abort")
+            # a stopped driver holds no slot (releases still queued were for the generate thread)
+            for slot, owner in enumerate(lane.owners):
+                if owner is not None:
+                    self._release(lane, slot)
+            while True:
+                try:
+                    lane.release.get_nowait()
+                except queue.Empty:
+                    break
         for q in [self._prefill_q, self._transfer_q] + [lane.backlog for lane in self._lanes]:
             while True:
                 try:
                     item = q.get_nowait()
                 except queue.Empty:
                     break
-                req = item[0] if isinstance(item, tuple) else item
-                if isinstance(req, ActiveRequest):
-                    self._finish(req, "abort")
+                head = item[0] if isinstance(item, tuple) else item
+                for req in head if isinstance(head, list) else [head]:
+                    if isinstance(req, ActiveRequest):
+                        self._finish(req, "abort")
 
     # ------------------------------------------------------------------ threads
     def _finalize(self, req: ActiveRequest) -> bool:
@@ -215,14 +229,44 @@ class vDriver:  # noqa: N801 - the seed's name
         self._metrics.request_finished(req, time.time())
         req.fail(reason)
 
-    def _prefill_loop(self, engine: vEngine) -> None:
-        while self._live:
-            try:
-                req = self._prefill_q.get(timeout=0.1)
-            except queue.Empty:
+    def _admit_prefill(self, engine: vEngine, req: ActiveRequest) -> bool:
+        """False when the request ends here (cancelled, or a prompt this engine cannot prefill)."""
+        if req.cancelled:
+            self._finish(req, "abort")
+            return False
+        try:
+            engine.check_prompt(req.prompt_ids)
+        except Exception as e:  # one bad request must not take the driver down
+            self._fail(req, f"prefill failed: {e}")
+            return False
+        return True
+
+    def _take_batch(self, engine: vEngine, carry: ActiveRequest | None):
+        """The requests of the next prefill call: what is waiting, up to max_concurrent_prefill prompts
+        within prefill_pack_tokens (a longer prompt goes alone). Returns (batch, the request that did not fit, for the next call)."""
+        batch: list[ActiveRequest] = []
+        tokens = 0
+        while len(batch) < engine.max_concurrent_prefill:
+            if carry is not None:
+                req, carry = carry, None
+            else:
+                try:
+                    req = self._prefill_q.get(timeout=0.1) if not batch else self._prefill_q.get_nowait()
+                except queue.Empty:
+                    break
+            if not self._admit_prefill(engine, req):
                 continue
-            if req.cancelled:
-                self._finish(req, "abort")
+            if batch and tokens + len(req.prompt_ids) > engine.prefill_pack_tokens:
+                return batch, req
+            batch.append(req)
+            tokens += len(req.prompt_ids)
+        return batch, carry
+
+    def _prefill_loop(self, engine: vEngine) -> None:
+        carry = None
+        while self._live:
+            batch, carry = self._take_batch(engine, carry)
+            if not batch:
                 continue
             if self.interleaved_mode:
                 # one prefill per decode step keeps token latency steady
@@ -230,17 +274,25 @@ class vDriver:  # noqa: N801 - the seed's name
                     pass
                 self._may_prefill.clear()
                 if not self._live:
-                    self._finish(req, "abort")
-                    return
-            req.metadata.prefill_started_at = time.time()
+                    break
+            now = time.time()
+            for req in batch:
+                req.metadata.prefill_started_at = now
             try:
-                row = engine.sampling_row(req.params, sorted(req.stop_ids))
-                prefix = engine.prefill(req.prompt_ids, row)
-            except Exception as e:  # one bad request must not take the driver down
-                self._fail(req, f"prefill failed: {e}")
+                prefix = engine.prefill_many(
+                    [r.prompt_ids for r in batch],
+                    [r.params for r in batch],
+                    [sorted(r.stop_ids) for r in batch],
+                )
+            except Exception as e:
+                for req in batch:
+                    self._fail(req, f"prefill failed: {e}")
                 continue
-            if not self._put_blocking(self._transfer_q, (req, engine, prefix)):
-                self._finish(req, "abort")  # stopping: the hand-off never happened
+            if not self._put_blocking(self._transfer_q, (batch, engine, prefix)):
+                break  # stopping: the hand-off never happened
+            batch = []
+        for req in batch + ([carry] if carry is not None else []):
+            self._finish(req, "abort")
 
     def _put_blocking(self, q: queue.Queue, item) -> bool:
         while self._live:
@@ -254,20 +306,23 @@ class vDriver:  # noqa: N801 - the seed's name
     def _transfer_loop(self) -> None:
         while self._live:
             try:
-                req, src, prefix = self._transfer_q.get(timeout=0.1)
+                batch, src, prefix = self._transfer_q.get(timeout=0.1)
             except queue.Empty:
                 continue
             lane = max(self._lanes, key=lambda ln: len(ln.free) - ln.backlog.qsize())
             try:
                 if lane.engine is not src:
                     prefix = jax.device_put(prefix, lane.engine.get_prefix_destination_sharding())
-                jax.block_until_ready(prefix.logits)
+                jax.block_until_ready(prefix.hidden)
             except Exception as e:
-                self._fail(req, f"transfer failed: {e}")
+                for req in batch:
+                    self._fail(req, f"transfer failed: {e}")
                 continue
-            req.metadata.prefill_done_at = time.time()
-            if not self._put_blocking(lane.backlog, (req, prefix)):
-                self._finish(req, "abort")
+            now = time.time()
+            for j, req in enumerate(batch):
+                req.metadata.prefill_done_at = now
+                if not self._put_blocking(lane.backlog, (req, prefix, j)):
+                    self._finish(req, "abort")
 
     def _release(self, lane: _DecodeLane, slot: int) -> None:
         lane.owners[slot] = None
@@ -301,13 +356,15 @@ class vDriver:  # noqa: N801 - the seed's name
                 except queue.Empty:
                     break
             while lane.waiting and len(lane.free) >= lane.waiting[0][0].params.n:
-                req, prefix = lane.waiting.popleft()
+                req, prefix, j = lane.waiting.popleft()
                 if req.cancelled:
                     self._lane_put(lane, ("abort", req))
                     continue
                 slots = [heapq.heappop(lane.free) for _ in range(req.params.n)]
                 try:
-                    state, firsts = engine.bulk_insert(prefix, state, slots, keys=req.keys)
+                    state, firsts = engine.bulk_insert(
+                        prefix, state, slots, keys=req.keys, index=j, length=len(req.prompt_ids)
+                    )
                 except Exception as e:
                     for s in slots:
                         heapq.heappush(lane.free, s)

@@ -1,9 +1,10 @@
 """vEngine: one dense KV row per decode slot.
 
 State lives on the device and is donated to every jitted step, so the cache is updated in place.
-Prefill is padded to `prefill_lengths` buckets; decode reads only the first `kv_len` positions of each row,
-with `kv_len` picked from a few static buckets by the longest live sequence. Every shape is compiled in
-`compile()`; a live request only ever hits compiled programs.
+Prefill is padded to `prefill_lengths` buckets; decode covers the leading slots up to the highest live
+one (a few static row buckets) and reads each row's cache in chunks up to the longest live sequence (a
+trip count on the device, so no length buckets). Every shape is compiled in `compile()`; a live request
+only ever hits compiled programs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from .sampling import (
     SampleResult,
     SlotSampling,
     make_slot_sampling,
-    prompt_mask_from_tokens,
     sample,
     set_slot,
     sharded_sampling,
@@ -52,13 +52,18 @@ class GenerationState(NamedTuple):
 
 
 class Prefix(NamedTuple):
-    """A prefilled prompt, ready to be inserted into one or more slots."""
+    """Prompts prefilled in one call, packed one after another in one row of a prefill bucket.
 
-    kv: tuple[tuple[jax.Array, jax.Array], ...]  # per layer k, v [bucket, kv_heads, head_dim]
-    logits: jax.Array  # f32[V] at the last prompt token: the first token is sampled at insert
-    length: jax.Array  # i32[] true prompt length
-    prompt_mask: jax.Array  # bool[V]
-    sampling: SlotSampling  # one row
+    Entry j (j < max_concurrent_prefill) is inserted into a slot by its index; unused entries have
+    length 0. Logits are computed at insert from the last hidden state, only for the entries used.
+    """
+
+    kv: tuple[tuple[jax.Array, jax.Array], ...]  # per layer k, v [bucket, kv_heads, head_dim]: the packed row
+    hidden: jax.Array  # [K, hidden] final hidden state at each prompt's last token
+    starts: jax.Array  # i32[K] where each prompt begins in the row
+    lengths: jax.Array  # i32[K] prompt lengths (0: unused entry)
+    prompt_mask: jax.Array  # bool[K, V]
+    sampling: SlotSampling  # K rows
 
 
 def plan_lengths(
@@ -106,58 +111,75 @@ def row_buckets(slots: int, smallest: int = 4) -> list[int]:
     return out + [slots]
 
 
-def _prefill_impl(graphdef, params, tokens, length, sampling):
+def _prefill_impl(graphdef, params, tokens, positions, segments, starts, lengths, sampling):
+    """Prefill the prompts packed in `tokens` (segment j holds prompt j, positions restart in each)."""
     model = nnx.merge(graphdef, params)
     t = tokens.shape[0]
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    total = jnp.sum(lengths)
     backend = PrefillAttention(window=model.config.sliding_window)
-    hidden, kv = model(
-        tokens[None], positions, backend, [None] * model.config.num_layers, (positions, length[None])
-    )
-    last = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=False)
-    logits = model.compute_logits(last)
-    mask = prompt_mask_from_tokens(tokens, length, logits.shape[-1])
+    meta = (positions[None], total[None], segments[None])
+    hidden, kv = model(tokens[None], positions[None], backend, [None] * model.config.num_layers, meta)
+    last = hidden[0][jnp.maximum(starts + lengths - 1, 0)]
+    vocab = model.config.vocab_size
+    valid = jnp.arange(t) < total
+    # padding scatters to index V, which mode="drop" discards
+    mask = jnp.zeros((starts.shape[0], vocab), bool)
+    mask = mask.at[jnp.where(valid, segments, 0), jnp.where(valid, tokens, vocab)].set(True, mode="drop")
     kv = tuple((k[0], v[0]) for k, v in kv)
-    return Prefix(kv, logits, length, mask, sampling)
+    return Prefix(kv, last, starts, lengths, mask, sampling)
 
 
-def _first_impl(logits, row: SlotSampling, prompt_mask, key, *, num_top: int, sharded: bool):
-    """Sample a sample's first token from its prefix's last logits (one compiled shape for all buckets)."""
-    row = row._replace(key=key[None])
-    with sharded_sampling() if sharded else contextlib.nullcontext():
-        return sample(logits[None], row, None, prompt_mask[None], jnp.zeros((1,), jnp.int32), num_top)
+def _entry(rows: SlotSampling, j, key) -> SlotSampling:
+    return SlotSampling(*(a[j][None] for a in rows))._replace(key=key[None])
 
 
-def _insert_impl(prefix: Prefix, state: GenerationState, slot, key, first_token, *, shardings):
-    row = prefix.sampling._replace(key=key[None])
+def _first_impl(graphdef, params, hidden, rows, prompt_mask, j, key, *, num_top: int, logits_sharding):
+    """Sample entry j's first token from its last hidden state (one program for every bucket)."""
+    model = nnx.merge(graphdef, params)
+    logits = model.compute_logits(hidden[j][None])
+    if logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    with sharded_sampling() if logits_sharding is not None else contextlib.nullcontext():
+        return sample(
+            logits, _entry(rows, j, key), None, prompt_mask[j][None], jnp.zeros((1,), jnp.int32), num_top
+        )
+
+
+def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_token, *, shardings):
+    # the whole packed row, shifted so entry j starts at position 0; what follows the prompt is never
+    # read (decode writes position p before attending to positions <= p)
+    t = prefix.kv[0][0].shape[0]
+    src = jnp.minimum(prefix.starts[j] + jnp.arange(t), t - 1)
     caches = tuple(
         (
-            jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), (slot, 0, 0, 0)),
-            jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), (slot, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(
+                kc, jnp.take(k, src, axis=0)[None].astype(kc.dtype), (slot, 0, 0, 0)
+            ),
+            jax.lax.dynamic_update_slice(
+                vc, jnp.take(v, src, axis=0)[None].astype(vc.dtype), (slot, 0, 0, 0)
+            ),
         )
         for (kc, vc), (k, v) in zip(state.caches, prefix.kv, strict=True)
     )
     new = GenerationState(
         caches=caches,
         tokens=state.tokens.at[slot].set(first_token),
-        positions=state.positions.at[slot].set(prefix.length),
+        positions=state.positions.at[slot].set(prefix.lengths[j]),
         steps=state.steps.at[slot].set(1),
         counts=state.counts.at[slot].set(0).at[slot, first_token].add(1),
-        prompt_mask=state.prompt_mask.at[slot].set(prefix.prompt_mask),
-        sampling=set_slot(state.sampling, slot, row),
+        prompt_mask=state.prompt_mask.at[slot].set(prefix.prompt_mask[j]),
+        sampling=set_slot(state.sampling, slot, _entry(prefix.sampling, j, key)),
     )
     return _constrain(new, shardings)
 
 
-def _forward_impl(graphdef, params, caches, tokens, positions, *, rows: int, kv_len: int, logits_sharding):
-    """The model over the first `rows` slots (slots are handed out lowest first), reading kv_len positions.
-
-    Separate from sampling so the sampler compiles once per row bucket, not once per (rows, kv_len).
-    """
+def _forward_impl(graphdef, params, caches, tokens, positions, limit, *, rows: int, logits_sharding):
+    """The model over the first `rows` slots (slots are handed out lowest first), reading the first
+    `limit` cache positions (the longest live sequence + 1; idle slots keep stale positions)."""
     model = nnx.merge(graphdef, params)
-    backend = DenseDecodeAttention(window=model.config.sliding_window, kv_len=kv_len)
+    backend = DenseDecodeAttention(window=model.config.sliding_window)
     pos = positions[:rows]
-    hidden, caches = model(tokens[:rows, None], pos[:, None], backend, caches, pos)
+    hidden, caches = model(tokens[:rows, None], pos[:, None], backend, caches, (pos, limit))
     logits = model.compute_logits(hidden[:, 0])
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
@@ -200,6 +222,7 @@ class vEngine:  # noqa: N801 - the seed's name
         max_prefill_length: int | None = None,
         max_length: int | None = None,
         batch_size: int | None = None,
+        prefill_pack_tokens: int | None = None,
         seed: int = 894,
         mesh: Mesh | None = None,
         num_top_logprobs: int = MAX_TOP_LOGPROBS,
@@ -210,11 +233,11 @@ class vEngine:  # noqa: N801 - the seed's name
         self._processor = processor
         self.mesh = mesh
         self.max_concurrent_decodes = int(max_concurrent_decodes or 16)
-        self.max_concurrent_prefill = int(max_concurrent_prefill or 1)
+        # how many waiting prompts one prefill call packs together (within the largest bucket)
+        self.max_concurrent_prefill = int(max_concurrent_prefill or 16)
         self.max_length, self.max_prefill_length, self.prefill_lengths = plan_lengths(
             cfg, max_length, prefill_lengths, max_prefill_length, default_max_prefill=1024
         )
-        self.decode_lengths = decode_buckets(self.max_length)
         self.batch_size = batch_size
         self.samples_per_slot = 1
         self.num_top_logprobs = num_top_logprobs
@@ -226,18 +249,22 @@ class vEngine:  # noqa: N801 - the seed's name
         self._pos = np.zeros(self.max_concurrent_decodes, np.int64)  # host mirror, picks the decode bucket
         self._active = np.zeros(self.max_concurrent_decodes, bool)
 
+        logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
         self._prefill = jax.jit(partial(_prefill_impl, self.graphdef))
-        self._first = jax.jit(partial(_first_impl, num_top=num_top_logprobs, sharded=mesh is not None))
+        self._first = jax.jit(
+            partial(_first_impl, self.graphdef, num_top=num_top_logprobs, logits_sharding=logits_sharding)
+        )
         self._insert = jax.jit(partial(_insert_impl, shardings=self._state_shardings), donate_argnums=(1,))
         self.decode_rows = row_buckets(self.max_concurrent_decodes)
-        logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
+        # packs stay small: on XLA:CPU prefill costs least per token at 128-256 tokens, and a small pack
+        # reaches the decode batch sooner (measured: 128 beats 64 and 512 by 3-8% at 32 concurrent)
+        self.prefill_pack_tokens = min(int(prefill_pack_tokens or 128), self.max_prefill_length)
         self._forward = {
-            (rows, n): jax.jit(
-                partial(_forward_impl, self.graphdef, rows=rows, kv_len=n, logits_sharding=logits_sharding),
+            rows: jax.jit(
+                partial(_forward_impl, self.graphdef, rows=rows, logits_sharding=logits_sharding),
                 donate_argnums=(1,),
             )
             for rows in self.decode_rows
-            for n in self.decode_lengths
         }
         self._sample = {
             rows: jax.jit(
@@ -320,8 +347,9 @@ class vEngine:  # noqa: N801 - the seed's name
         rep = NamedSharding(self.mesh, P())
         return Prefix(
             kv=tuple((kv, kv) for _ in range(c.num_layers)),
-            logits=rep,
-            length=rep,
+            hidden=rep,
+            starts=rep,
+            lengths=rep,
             prompt_mask=rep,
             sampling=SlotSampling(*([rep] * len(SlotSampling._fields))),
         )
@@ -354,47 +382,99 @@ class vEngine:  # noqa: N801 - the seed's name
                 return n
         raise ValueError(f"prompt of {length} tokens exceeds max_prefill_length {self.max_prefill_length}")
 
-    def sampling_row(self, params: SamplingParams, stop_ids: Sequence[int] = ()) -> SlotSampling:
-        return make_slot_sampling([params], stop_ids=[list(stop_ids)[:DEFAULT_MAX_STOP_IDS]])
-
-    def prefill(self, tokens: Sequence[int], sampling: SlotSampling) -> Prefix:
-        """Prefill one prompt (padded to its bucket). Dispatched asynchronously."""
-        n = len(tokens)
-        if n < 1:
+    def check_prompt(self, tokens: Sequence[int]) -> int:
+        """The prompt's length if this engine can prefill it, else ValueError with the reason."""
+        if len(tokens) < 1:
             raise ValueError("empty prompt")
-        bucket = self.bucket_for(n)
-        padded = np.full(bucket, self.pad_token_id, np.int32)
-        padded[:n] = tokens
-        return self._prefill(self.params, padded, np.int32(n), sampling)
+        self.bucket_for(len(tokens))
+        return len(tokens)
 
-    def insert(self, prefix: Prefix, decode_state: GenerationState, slot: int, key: np.ndarray | None = None):
-        """Put a prefix into `slot`; returns (state, first token SampleResult[1]). key: u32[2] per sample."""
+    def prefill(
+        self, tokens: Sequence[int], params: SamplingParams | None = None, stop_ids: Sequence[int] = ()
+    ) -> Prefix:
+        """Prefill one prompt (entry 0 of the returned Prefix)."""
+        return self.prefill_many([tokens], [params or SamplingParams()], [stop_ids])
+
+    def prefill_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        stop_ids: Sequence[Sequence[int]] | None = None,
+    ) -> Prefix:
+        """Prefill up to `max_concurrent_prefill` prompts in one call, packed one after another into the
+        smallest bucket that holds them all (no padding per prompt). Dispatched asynchronously."""
+        return self._prefill(self.params, *self._pack(prompts, params, stop_ids))
+
+    def _pack(self, prompts, params, stop_ids) -> tuple:
+        k = self.max_concurrent_prefill
+        if not 1 <= len(prompts) <= k or len(params) != len(prompts):
+            raise ValueError(f"prefill_many takes 1..{k} prompts with one SamplingParams each")
+        lengths = [self.check_prompt(p) for p in prompts]
+        bucket = self.bucket_for(sum(lengths))
+        tokens = np.full(bucket, self.pad_token_id, np.int32)
+        positions = np.zeros(bucket, np.int32)
+        segments = np.full(bucket, k, np.int32)
+        starts = np.zeros(k, np.int32)
+        lens = np.zeros(k, np.int32)
+        at = 0
+        for j, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+            tokens[at : at + n] = p
+            positions[at : at + n] = np.arange(n)
+            segments[at : at + n] = j
+            starts[j], lens[j] = at, n
+            at += n
+        stops = [list(s)[:DEFAULT_MAX_STOP_IDS] for s in (stop_ids or [()] * len(prompts))]
+        pad = k - len(prompts)
+        rows = make_slot_sampling(list(params) + [None] * pad, stop_ids=stops + [[]] * pad)
+        return tokens, positions, segments, starts, lens, rows
+
+    def insert(
+        self,
+        prefix: Prefix,
+        decode_state: GenerationState,
+        slot: int,
+        key: np.ndarray | None = None,
+        index: int = 0,
+        length: int | None = None,
+    ):
+        """Put entry `index` of a prefix into `slot`; returns (state, first token SampleResult[1]).
+        key: u32[2] per sample (default: the entry's own); length: the prompt's length when the caller
+        knows it (saves a read from the device)."""
+        j = np.int32(index)
         if key is None:
-            key = prefix.sampling.key[0]
-        first = self._first(prefix.logits, prefix.sampling, prefix.prompt_mask, key)
-        state = self._insert(prefix, decode_state, np.int32(slot), key, first.tokens[0])
-        self._pos[slot] = int(prefix.length)
+            key = prefix.sampling.key[index]
+        first = self._first(self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, j, key)
+        state = self._insert(prefix, decode_state, j, np.int32(slot), key, first.tokens[0])
+        self._pos[slot] = int(prefix.lengths[index]) if length is None else length
         self._active[slot] = True
         return state, first
 
-    def bulk_insert(self, prefix: Prefix, decode_state: GenerationState, slots: Sequence[int], keys=None):
-        """Insert one prefix into several slots (n samples sharing one prefill)."""
+    def bulk_insert(
+        self,
+        prefix: Prefix,
+        decode_state: GenerationState,
+        slots: Sequence[int],
+        keys=None,
+        index: int = 0,
+        length: int | None = None,
+    ):
+        """Insert entry `index` of a prefix into several slots (n samples sharing one prefill)."""
         firsts = []
         for i, slot in enumerate(slots):
-            decode_state, first = self.insert(prefix, decode_state, slot, None if keys is None else keys[i])
+            key = None if keys is None else keys[i]
+            decode_state, first = self.insert(prefix, decode_state, slot, key, index, length)
             firsts.append(first)
         return decode_state, firsts
 
     def decode(self, decode_state: GenerationState) -> tuple[GenerationState, SampleResult]:
-        """One token for every live slot. Runs the smallest compiled (rows, kv_len) that covers the
-        highest live slot and the longest live sequence; results have one row per decoded slot."""
+        """One token for every live slot. Runs the smallest compiled row bucket that covers the highest
+        live slot, reading the cache up to the longest live sequence; results have one row per decoded slot."""
         live = np.flatnonzero(self._active)
         need_rows = int(live[-1]) + 1 if live.size else 1
-        need_len = int(self._pos[live].max()) + 1 if live.size else 1
+        limit = np.int32(self._pos[live].max() + 1 if live.size else 1)
         rows = next((r for r in self.decode_rows if r >= need_rows), self.max_concurrent_decodes)
-        kv_len = next((n for n in self.decode_lengths if n >= need_len), self.max_length)
         s = decode_state
-        caches, logits = self._forward[(rows, kv_len)](self.params, s.caches, s.tokens, s.positions)
+        caches, logits = self._forward[rows](self.params, s.caches, s.tokens, s.positions, limit)
         state, out = self._sample[rows](s._replace(caches=caches), logits)
         self._pos[live] += 1
         return state, out
@@ -410,23 +490,27 @@ class vEngine:  # noqa: N801 - the seed's name
     def compile(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile every program a live request can hit; returns seconds.
 
-        The expensive programs (prefill buckets, forward per (rows, kv_len), sampler per rows) are lowered
+        The expensive programs (prefill buckets, forward and sampler per row bucket) are lowered
         and compiled in parallel threads (XLA compiles without the GIL); then each program runs once on
         the real state, so the jit caches hold exactly the signatures live requests use.
         """
         say = progress or log.info
         t0 = time.perf_counter()
         state = self.init_decode_state()
-        row = self.sampling_row(SamplingParams(temperature=0.0, max_tokens=1))
+        greedy = [SamplingParams(temperature=0.0, max_tokens=1)]
         v = self.config.vocab_size
         logits_sharding = NamedSharding(self.mesh, P()) if self.mesh is not None else self._replicated()
         jobs = [
-            (f"prefill bucket {n}", self._prefill, (self.params, np.ones(n, np.int32), np.int32(n), row))
+            (f"prefill bucket {n}", self._prefill, (self.params, *self._pack([[1] * n], greedy, None)))
             for n in self.prefill_lengths
         ]
         jobs += [
-            (f"decode slots={r} kv_len={n}", fn, (self.params, state.caches, state.tokens, state.positions))
-            for (r, n), fn in self._forward.items()
+            (
+                f"decode slots={r}",
+                fn,
+                (self.params, state.caches, state.tokens, state.positions, np.int32(1)),
+            )
+            for r, fn in self._forward.items()
         ]
         jobs += [
             (
@@ -447,9 +531,9 @@ class vEngine:  # noqa: N801 - the seed's name
             for line in pool.map(build, jobs):
                 say(line)
         for n in self.prefill_lengths:  # warm every program on the real state
-            state, first = self.insert(self.prefill([1] * n, row), state, 0)
-        for (r, _n), fn in self._forward.items():
-            caches, logits = fn(self.params, state.caches, state.tokens, state.positions)
+            state, first = self.insert(self.prefill([1] * n, greedy[0]), state, 0)
+        for r, fn in self._forward.items():
+            caches, logits = fn(self.params, state.caches, state.tokens, state.positions, np.int32(1))
             state, out = self._sample[r](state._replace(caches=caches), logits)
         jax.block_until_ready(out)
         self.free_resource(0)

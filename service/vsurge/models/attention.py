@@ -31,14 +31,16 @@ def _allowed(q_pos: jnp.ndarray, k_pos: jnp.ndarray, window: int | None) -> jnp.
 class PrefillAttention:
     """Causal attention within right-padded rows; returns the rows' K and V as the new cache.
 
-    meta: (positions [B, T], lengths [B]). Keys at or beyond a row's length are masked, so padding never
-    changes a valid position's result.
+    meta: (positions [B, T], lengths [B]) or (positions, lengths, segments [B, T]). Keys at or beyond a
+    row's length are masked, so padding never changes a valid position's result. With segments, several
+    prompts are packed one after another in a row (positions restart at 0 in each): a token attends only
+    to earlier tokens of its own segment.
     """
 
     window: int | None = None
 
     def __call__(self, q, k, v, cache, meta):
-        positions, lengths = meta
+        positions, lengths, *segments = meta
         b, t, h, d = q.shape
         kvh = k.shape[2]
         qg = _group(q, kvh).astype(jnp.float32)  # [B, T, KVH, G, D]
@@ -46,6 +48,8 @@ class PrefillAttention:
         k_idx = jnp.arange(t)
         ok = _allowed(positions[:, :, None], positions[:, None, :], self.window)
         ok &= k_idx[None, None, :] < lengths[:, None, None]
+        if segments:
+            ok &= segments[0][:, :, None] == segments[0][:, None, :]
         scores = jnp.where(ok[:, None, None, :, :], scores, _NEG)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
@@ -56,29 +60,58 @@ class PrefillAttention:
 class DenseDecodeAttention:
     """One new token per slot against a dense cache K, V [S, M, KVH, D].
 
-    meta: positions [S] — where each slot's new token goes (its current length). The new K/V are written
-    in place (the caller donates the cache), then the slot attends to positions <= its own. ``kv_len``
-    (static) limits the read to the first kv_len positions so short batches do not scan the whole row.
-    Attention is written as broadcast multiply + reduce: on XLA:CPU that beats batched einsum for decode.
+    meta: positions [S] — where each slot's new token goes (its current length) — or (positions, limit)
+    where the i32 scalar ``limit`` bounds the positions any live row needs (idle rows keep stale positions).
+    The new K/V are written in place (the caller donates the cache), then the slot attends to positions
+    <= its own.
+
+    The cache is read in chunks of ``chunk`` positions with an online softmax, and the loop stops after the
+    chunk holding the longest live sequence: the trip count is computed on the device, so one compiled
+    program serves every length and a step reads only what the longest row needs. Chunks keep each
+    step's working set in cache; on XLA:CPU this is ~5x faster than one softmax over the whole row.
+    ``kv_len`` (static) caps the positions read, for callers that know rows never grow past it.
     """
 
     window: int | None = None
     kv_len: int | None = None
+    chunk: int = 128
 
     def __call__(self, q, k, v, cache, meta):
-        positions = meta
+        positions, limit = meta if isinstance(meta, tuple) else (meta, jnp.max(meta) + 1)
         kc, vc = cache
         s, _, h, d = q.shape  # s may be fewer than the cache's slots: the engine decodes the first s only
         kvh = k.shape[2]
+        g = h // kvh
         rows = jnp.arange(s)
         kc = kc.at[rows, positions].set(k[:, 0].astype(kc.dtype))
         vc = vc.at[rows, positions].set(v[:, 0].astype(vc.dtype))
-        n = kc.shape[1] if self.kv_len is None else self.kv_len
-        ks, vs = kc[:s, :n].astype(jnp.float32), vc[:s, :n].astype(jnp.float32)
-        qg = q[:, 0].reshape(s, kvh, h // kvh, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
-        scores = jnp.sum(qg[:, None] * ks[:, :, :, None, :], axis=-1)  # [S, N, KVH, G]
-        ok = _allowed(positions[:, None], jnp.arange(n)[None, :], self.window)  # [S, N]
-        scores = jnp.where(ok[:, :, None, None], scores, _NEG)
-        probs = jax.nn.softmax(scores, axis=1)
-        out = jnp.sum(probs[..., None] * vs[:, :, :, None, :], axis=1)  # [S, KVH, G, D]
+        n = kc.shape[1] if self.kv_len is None else min(self.kv_len, kc.shape[1])
+        c = min(self.chunk, n)
+        qg = q[:, 0].reshape(s, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+        pos = positions[:, None]
+
+        def chunk(i, carry):
+            m, denom, acc = carry
+            # the last chunk is shifted back to fit in n; positions an earlier chunk covered are masked
+            start = jnp.minimum(i * c, n - c)
+            ks = jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1).astype(jnp.float32)
+            vs = jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1).astype(jnp.float32)
+            k_pos = start + jnp.arange(c)[None, :]
+            ok = _allowed(pos, k_pos, self.window) & (k_pos >= i * c)  # [S, C]
+            scores = jnp.einsum("skgd,snkd->skgn", qg, ks)
+            scores = jnp.where(ok[:, None, None, :], scores, _NEG)
+            m_new = jnp.maximum(m, scores.max(-1))
+            p = jnp.where(ok[:, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
+            scale = jnp.exp(m - m_new)
+            acc = acc * scale[..., None] + jnp.einsum("skgn,snkd->skgd", p, vs)
+            return m_new, denom * scale + p.sum(-1), acc
+
+        n_chunks = jnp.clip((limit + c - 1) // c, 1, -(-n // c))
+        init = (
+            jnp.full((s, kvh, g), _NEG, jnp.float32),
+            jnp.zeros((s, kvh, g), jnp.float32),
+            jnp.zeros((s, kvh, g, d), jnp.float32),
+        )
+        _, denom, acc = jax.lax.fori_loop(0, n_chunks, chunk, init)
+        out = acc / jnp.maximum(denom, 1e-30)[..., None]
         return out.reshape(s, 1, h, d).astype(q.dtype), (kc, vc)
