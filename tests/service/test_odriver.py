@@ -310,3 +310,25 @@ def test_pages_sharded_over_kv_heads_on_a_mesh(tiny):
         s.stop()
     m = s.driver.engine.manager
     assert m.num_free == m.num_pages
+
+
+def test_no_compilation_on_live_requests(tiny_checkpoint):
+    from jit_watch import compilations
+    from test_vsurge import live_mix
+
+    # a model of its own: the module's `tiny` may have been placed on a mesh by an earlier test
+    model, tok = vsurge.load_model(tiny_checkpoint("llama", heads=8, kv_heads=4)[0])
+    per_page = bytes_per_page(model.config, 8, model.dtype)
+    s = vSurge.create_odriver(
+        model, tok, page_size=8, kv_cache_bytes=65 * per_page, max_concurrent_decodes=4, **SMALL
+    )
+    s.compile()
+    with compilations() as compiled:
+        s.start()
+        try:
+            actives = [s.submit(r) for r in live_mix(np.random.RandomState(5))]
+            for a in actives:
+                assert sum(len(x.token_ids) for items in a.channel for x in items) > 0
+        finally:
+            s.stop()
+    assert not compiled, compiled

@@ -319,6 +319,20 @@ def test_packed_prefill_equals_reference(tiny):
         engine.prefill_many([list(range(3, 40)), list(range(3, 40))], [greedy] * 2)  # 74 > 64
 
 
+def test_long_rows_cross_decode_chunks_exactly(tiny):
+    # Decode reads the cache in chunks of 128 up to the longest live row; with max_length 300 the third
+    # chunk is shifted back to fit. A 250-token prompt decoded past position 256 beside a short one.
+    from vsurge.engines.vengine import vEngine
+
+    model, tok = tiny
+    engine = vEngine(model, tok, max_concurrent_decodes=2, prefill_lengths=[64, 256], max_length=300)
+    rng = np.random.RandomState(7)
+    prompts = [list(rng.randint(3, 300, size=250)), [4, 5, 6]]
+    greedy = SamplingParams(temperature=0.0)
+    got = _engine_greedy(engine, engine.prefill_many(prompts, [greedy] * 2), [(0, 0), (1, 1)], 40)
+    assert [got[0], got[1]] == [greedy_generate(model, [p], 40)[0] for p in prompts]
+
+
 def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
     # A burst of requests: the prefill thread takes what is waiting in one call (within the largest
     # bucket) and every request still gets exactly its reference tokens.
@@ -349,3 +363,31 @@ def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
     assert got == want
     assert sum(sizes) == len(prompts) and max(sizes) > 1, sizes
     assert s.driver.num_used_slots == 0
+
+
+def live_mix(rng) -> list[vSurgeRequest]:
+    """Requests that reach every program: lone and packed prompts of each bucket, n > 1, seeded sampling
+    with logprobs, top_k with penalties."""
+    reqs = [ids_request(list(rng.randint(3, 300, size=n)), 5) for n in (3, 9, 40, 60, 2, 17)]
+    reqs.append(ids_request([5, 6, 7], 6, temperature=0.8, seed=3, n=2, logprobs=True, top_logprobs=3))
+    reqs.append(ids_request([9, 8], 4, top_k=5, repetition_penalty=1.3, presence_penalty=0.5))
+    return reqs
+
+
+def test_no_compilation_on_live_requests(tiny):
+    from jit_watch import compilations
+
+    model, tok = tiny
+    s = vSurge.create_vdriver(
+        model, tok, max_concurrent_decodes=4, prefill_lengths=BUCKETS, max_length=MAX_LEN
+    )
+    s.compile()
+    with compilations() as compiled:
+        s.start()
+        try:
+            actives = [s.submit(r) for r in live_mix(np.random.RandomState(5))]
+            for a in actives:
+                assert sum(len(x.token_ids) for items in a.channel for x in items) > 0
+        finally:
+            s.stop()
+    assert not compiled, compiled

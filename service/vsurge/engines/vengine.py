@@ -273,6 +273,7 @@ class vEngine:  # noqa: N801 - the seed's name
             )
             for rows in self.decode_rows
         }
+        self._zeros = None
         self.compiled = False
 
     # ------------------------------------------------------------------ properties of the seed's API
@@ -359,8 +360,9 @@ class vEngine:  # noqa: N801 - the seed's name
         dtype = self.model.dtype
         rep = self._replicated()
         kv_sharding = kv_cache_sharding(self.mesh, self._cache_shape()) if self.mesh is not None else rep
-        zeros = jax.jit(lambda: jnp.zeros(self._cache_shape(), dtype), out_shardings=kv_sharding)
-        caches = tuple((zeros(), zeros()) for _ in range(self.config.num_layers))
+        if self._zeros is None:  # one program, kept: a restarted generate thread must not compile again
+            self._zeros = jax.jit(lambda: jnp.zeros(self._cache_shape(), dtype), out_shardings=kv_sharding)
+        caches = tuple((self._zeros(), self._zeros()) for _ in range(self.config.num_layers))
         put = partial(jax.device_put, device=rep)
         sampling = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
         self._pos[:] = 0
@@ -441,8 +443,8 @@ class vEngine:  # noqa: N801 - the seed's name
         key: u32[2] per sample (default: the entry's own); length: the prompt's length when the caller
         knows it (saves a read from the device)."""
         j = np.int32(index)
-        if key is None:
-            key = prefix.sampling.key[index]
+        # always a host array: a device array here is another jit signature, i.e. a compile on a live request
+        key = np.asarray(prefix.sampling.key[index] if key is None else key, np.uint32)
         first = self._first(self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, j, key)
         state = self._insert(prefix, decode_state, j, np.int32(slot), key, first.tokens[0])
         self._pos[slot] = int(prefix.lengths[index]) if length is None else length

@@ -1,0 +1,79 @@
+"""Attention backends against a plain numpy softmax: chunked dense decode and packed prefill."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vsurge.models.attention import DenseDecodeAttention, PrefillAttention
+
+
+def _softmax_attend(q, k, v, allowed):
+    """q [H, D], k/v [N, KVH, D], allowed bool[N] -> [H, D] (GQA: head h reads kv head h // group)."""
+    h, d = q.shape
+    group = h // k.shape[1]
+    out = np.zeros((h, d), np.float64)
+    for i in range(h):
+        s = (k[:, i // group] @ q[i]) / np.sqrt(d)
+        s = np.where(allowed, s, -np.inf)
+        p = np.exp(s - s.max())
+        out[i] = (p / p.sum()) @ v[:, i // group]
+    return out
+
+
+@pytest.mark.parametrize(
+    "positions, window, limit",
+    [
+        ([0, 5, 99, 40], None, None),  # the last chunk (96..99 of 100) is shifted back and masked
+        ([17, 64, 80, 3], 20, None),  # sliding window: early chunks entirely masked for some rows
+        ([30, 2, 70, 71], None, 72),  # limit from the host: stale positions beyond it are not read
+    ],
+)
+def test_chunked_dense_decode_matches_softmax(positions, window, limit):
+    rng = np.random.default_rng(0)
+    s, m, kvh, g, d = 4, 100, 2, 3, 8
+    kc = rng.normal(size=(s, m, kvh, d)).astype(np.float32)
+    vc = rng.normal(size=(s, m, kvh, d)).astype(np.float32)
+    q = rng.normal(size=(s, 1, kvh * g, d)).astype(np.float32)
+    k = rng.normal(size=(s, 1, kvh, d)).astype(np.float32)
+    v = rng.normal(size=(s, 1, kvh, d)).astype(np.float32)
+    pos = np.array(positions, np.int32)
+    meta = jnp.asarray(pos) if limit is None else (jnp.asarray(pos), jnp.int32(limit))
+    backend = DenseDecodeAttention(window=window, chunk=16)
+    out, (kn, vn) = backend(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), (jnp.asarray(kc), jnp.asarray(vc)), meta
+    )
+    for r in range(s):
+        kc[r, pos[r]], vc[r, pos[r]] = k[r, 0], v[r, 0]
+        n = np.arange(m)
+        allowed = n <= pos[r]
+        if window is not None:
+            allowed &= pos[r] - n < window
+        want = _softmax_attend(q[r, 0], kc[r], vc[r], allowed)
+        np.testing.assert_allclose(np.asarray(out[r, 0]), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(kn), kc)  # the new token's K/V written in place
+    np.testing.assert_array_equal(np.asarray(vn), vc)
+
+
+def test_packed_prefill_attends_within_each_prompt():
+    # Three prompts packed in one row (positions restart at 0): each token's output equals attention over
+    # its own prompt alone; the padding after them changes nothing.
+    rng = np.random.default_rng(1)
+    lengths = [5, 9, 3]
+    t, kvh, g, d = 20, 2, 2, 8
+    segments = np.concatenate([np.full(n, j) for j, n in enumerate(lengths)] + [np.full(t - 17, 3)])
+    positions = np.concatenate([np.arange(n) for n in lengths] + [np.zeros(t - 17, int)]).astype(np.int32)
+    q = rng.normal(size=(1, t, kvh * g, d)).astype(np.float32)
+    k = rng.normal(size=(1, t, kvh, d)).astype(np.float32)
+    v = rng.normal(size=(1, t, kvh, d)).astype(np.float32)
+    meta = (jnp.asarray(positions[None]), jnp.asarray([sum(lengths)]), jnp.asarray(segments[None]))
+    out, _ = PrefillAttention()(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None, meta)
+    start = 0
+    for n in lengths:
+        for i in range(n):
+            allowed = np.zeros(t, bool)
+            allowed[start : start + i + 1] = True
+            want = _softmax_attend(q[0, start + i], k[0], v[0], allowed)
+            np.testing.assert_allclose(np.asarray(out[0, start + i]), want, rtol=2e-5, atol=2e-5)
+        start += n
