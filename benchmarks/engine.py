@@ -91,7 +91,7 @@ def raw_decode_loop(model, batch: int, prompt_len: int, steps: int) -> float:
     import jax.numpy as jnp
     from flax import nnx
 
-    from vsurge.engines.vengine import decode_buckets
+    from vsurge.engines.engine_base import decode_buckets
     from vsurge.models.attention import DenseDecodeAttention
 
     cfg = model.config

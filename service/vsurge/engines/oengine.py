@@ -31,8 +31,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
-from ..models.sharding import place_params
 from ..sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from .engine_base import EngineBase, constrain, decode_buckets, plan_lengths, sampling_context
 from .paging import HBMPageManager, PagedAttentionCache
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
@@ -41,15 +41,6 @@ from .sampling import (
     make_slot_sampling,
     sample,
     set_slot,
-)
-from .vengine import (
-    _constrain,
-    _sample_impl,
-    _sampling_context,
-    decode_buckets,
-    plan_lengths,
-    row_buckets,
-    vEngine,
 )
 
 log = logging.getLogger(__name__)
@@ -92,7 +83,7 @@ def _prefill_impl(graphdef, params, pages, tokens, start, length, row, *, page_s
 
 def _seat_impl(state: PagedState, logits, slot, length, inputs: SeqInputs, *, num_top: int, shardings):
     """Sample the token after a chunk and seat the sequence in its slot (one shape for every chunk)."""
-    with _sampling_context(shardings):
+    with sampling_context(shardings):
         first = sample(
             logits[None],
             inputs.sampling,
@@ -109,7 +100,7 @@ def _seat_impl(state: PagedState, logits, slot, length, inputs: SeqInputs, *, nu
         prompt_mask=state.prompt_mask.at[slot].set(inputs.prompt_mask),
         sampling=set_slot(state.sampling, slot, inputs.sampling),
     )
-    return _constrain(new, shardings), first
+    return constrain(new, shardings), first
 
 
 def _forward_impl(
@@ -136,18 +127,8 @@ def _forward_impl(
     return tuple(pages), logits
 
 
-class oEngine:  # noqa: N801 - the seed's name
+class oEngine(EngineBase):  # noqa: N801 - the seed's name
     """Paged-cache engine: chunked prefill into pages, decode over page tables."""
-
-    # the tokenizer-facing properties are the dense engine's, unchanged
-    processor = vEngine.processor
-    model_name = vEngine.model_name
-    eos_token_ids = vEngine.eos_token_ids
-    pad_token_id = vEngine.pad_token_id
-    colocated_cpus = vEngine.colocated_cpus
-    bucket_for = vEngine.bucket_for
-    _replicated = vEngine._replicated
-    _device = vEngine._device
 
     def __init__(
         self,
@@ -172,23 +153,19 @@ class oEngine:  # noqa: N801 - the seed's name
         enable_prefix_caching: bool = True,
     ):
         cfg = model.config
-        self.model = model
-        self.config = cfg
-        self._processor = processor
-        self.mesh = mesh
-        self.max_concurrent_decodes = int(max_concurrent_decodes or 16)
-        self.max_concurrent_prefill = int(max_concurrent_prefill or 1)
         # the largest bucket is the largest chunk; longer prompts are prefilled in several chunks
-        self.max_length, self.max_prefill_length, self.prefill_lengths = plan_lengths(
-            cfg, max_length, prefill_lengths, max_prefill_length, default_max_prefill=512
+        lengths = plan_lengths(cfg, max_length, prefill_lengths, max_prefill_length, default_max_prefill=512)
+        self._setup(
+            model,
+            processor,
+            mesh,
+            max_concurrent_decodes,
+            max_concurrent_prefill or 1,
+            lengths,
+            batch_size,
+            seed,
+            num_top_logprobs,
         )
-        self.batch_size = batch_size
-        self.samples_per_slot = 1
-        self.num_top_logprobs = num_top_logprobs
-        self.prng_key = jax.random.PRNGKey(seed)
-
-        self.graphdef, params = nnx.split(model)
-        self.params = place_params(params, cfg, mesh) if mesh is not None else params
         if storage is None:
             storage = PagedAttentionCache.create(
                 cfg,
@@ -225,8 +202,7 @@ class oEngine:  # noqa: N801 - the seed's name
         self._seat = jax.jit(
             partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings), donate_argnums=(0,)
         )
-        self.decode_rows = row_buckets(self.max_concurrent_decodes)
-        logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
+        logits_sharding = self.logits_sharding
         self._forward = {
             (rows, n): jax.jit(
                 partial(
@@ -242,13 +218,7 @@ class oEngine:  # noqa: N801 - the seed's name
             for rows in self.decode_rows
             for n in self.page_buckets
         }
-        self._sample = {
-            rows: jax.jit(
-                partial(_sample_impl, rows=rows, num_top=num_top_logprobs, shardings=shardings),
-                donate_argnums=(0,),
-            )
-            for rows in self.decode_rows
-        }
+        self._sample = self._samplers(shardings)
         self._zeros_v: jax.Array | None = None
         self._spare: PagedState | None = None
         self.compiled = False

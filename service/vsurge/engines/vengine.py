@@ -26,8 +26,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..models.attention import DenseDecodeAttention, PrefillAttention
-from ..models.sharding import kv_cache_sharding, place_params
+from ..models.sharding import kv_cache_sharding
 from ..sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from .engine_base import EngineBase, constrain, plan_lengths
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
     SampleResult,
@@ -64,51 +65,6 @@ class Prefix(NamedTuple):
     lengths: jax.Array  # i32[K] prompt lengths (0: unused entry)
     prompt_mask: jax.Array  # bool[K, V]
     sampling: SlotSampling  # K rows
-
-
-def plan_lengths(
-    cfg: Any,
-    max_length: int | None,
-    prefill_lengths: Sequence[int] | None,
-    max_prefill_length: int | None,
-    *,
-    default_max_prefill: int,
-) -> tuple[int, int, list[int]]:
-    """(max_length, max_prefill_length, prefill buckets) from the engine arguments, shared by both engines."""
-    max_len = int(max_length or min(cfg.max_position_embeddings, 2048))
-    lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
-    max_prefill = int(max_prefill_length or (lengths[-1] if lengths else min(default_max_prefill, max_len)))
-    if max_prefill > max_len:
-        raise ValueError(f"max_prefill_length {max_prefill} exceeds max_length {max_len}")
-    buckets = [n for n in (lengths or default_prefill_lengths(max_prefill)) if n <= max_prefill]
-    if not buckets or buckets[-1] != max_prefill:
-        buckets.append(max_prefill)
-    return max_len, max_prefill, buckets
-
-
-def default_prefill_lengths(max_prefill_length: int) -> list[int]:
-    out, n = [], 32
-    while n < max_prefill_length:
-        out.append(n)
-        n *= 2
-    return out + [max_prefill_length]
-
-
-def decode_buckets(max_length: int, smallest: int = 128) -> list[int]:
-    out, n = [], min(smallest, max_length)
-    while n < max_length:
-        out.append(n)
-        n *= 2
-    return out + [max_length]
-
-
-def row_buckets(slots: int, smallest: int = 4) -> list[int]:
-    """How many leading slots a decode step covers: powers of two up to `slots`."""
-    out, n = [], min(smallest, slots)
-    while n < slots:
-        out.append(n)
-        n *= 2
-    return out + [slots]
 
 
 def _prefill_impl(graphdef, params, tokens, positions, segments, starts, lengths, sampling):
@@ -170,7 +126,7 @@ def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_tok
         prompt_mask=state.prompt_mask.at[slot].set(prefix.prompt_mask[j]),
         sampling=set_slot(state.sampling, slot, _entry(prefix.sampling, j, key)),
     )
-    return _constrain(new, shardings)
+    return constrain(new, shardings)
 
 
 def _forward_impl(graphdef, params, caches, tokens, positions, limit, *, rows: int, logits_sharding):
@@ -186,30 +142,7 @@ def _forward_impl(graphdef, params, caches, tokens, positions, limit, *, rows: i
     return tuple(tuple(c) for c in caches), logits
 
 
-def _sample_impl(state: GenerationState, logits, *, rows: int, num_top: int, shardings):
-    sampling = SlotSampling(*(a[:rows] for a in state.sampling))
-    with _sampling_context(shardings):
-        out = sample(
-            logits, sampling, state.counts[:rows], state.prompt_mask[:rows], state.steps[:rows], num_top
-        )
-    new = state._replace(
-        tokens=state.tokens.at[:rows].set(out.tokens),
-        positions=state.positions.at[:rows].add(1),
-        steps=state.steps.at[:rows].add(1),
-        counts=state.counts.at[jnp.arange(rows), out.tokens].add(1),
-    )
-    return _constrain(new, shardings), out
-
-
-def _sampling_context(shardings):
-    return contextlib.nullcontext() if shardings is None else sharded_sampling()
-
-
-def _constrain(state, shardings):
-    return state if shardings is None else jax.lax.with_sharding_constraint(state, shardings)
-
-
-class vEngine:  # noqa: N801 - the seed's name
+class vEngine(EngineBase):  # noqa: N801 - the seed's name
     """Dense-cache engine: prefill, insert into a slot, decode all slots, free a slot."""
 
     def __init__(
@@ -227,35 +160,31 @@ class vEngine:  # noqa: N801 - the seed's name
         mesh: Mesh | None = None,
         num_top_logprobs: int = MAX_TOP_LOGPROBS,
     ):
-        cfg = model.config
-        self.model = model
-        self.config = cfg
-        self._processor = processor
-        self.mesh = mesh
-        self.max_concurrent_decodes = int(max_concurrent_decodes or 16)
-        # how many waiting prompts one prefill call packs together (within the largest bucket)
-        self.max_concurrent_prefill = int(max_concurrent_prefill or 16)
-        self.max_length, self.max_prefill_length, self.prefill_lengths = plan_lengths(
-            cfg, max_length, prefill_lengths, max_prefill_length, default_max_prefill=1024
+        lengths = plan_lengths(
+            model.config, max_length, prefill_lengths, max_prefill_length, default_max_prefill=1024
         )
-        self.batch_size = batch_size
-        self.samples_per_slot = 1
-        self.num_top_logprobs = num_top_logprobs
-        self.prng_key = jax.random.PRNGKey(seed)
-
-        self.graphdef, params = nnx.split(model)
-        self.params = place_params(params, cfg, mesh) if mesh is not None else params
+        # how many waiting prompts one prefill call packs together (within prefill_pack_tokens)
+        self._setup(
+            model,
+            processor,
+            mesh,
+            max_concurrent_decodes,
+            max_concurrent_prefill or 16,
+            lengths,
+            batch_size,
+            seed,
+            num_top_logprobs,
+        )
         self._state_shardings = self._make_state_shardings()
         self._pos = np.zeros(self.max_concurrent_decodes, np.int64)  # host mirror, picks the decode bucket
         self._active = np.zeros(self.max_concurrent_decodes, bool)
 
-        logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
+        logits_sharding = self.logits_sharding
         self._prefill = jax.jit(partial(_prefill_impl, self.graphdef))
         self._first = jax.jit(
             partial(_first_impl, self.graphdef, num_top=num_top_logprobs, logits_sharding=logits_sharding)
         )
         self._insert = jax.jit(partial(_insert_impl, shardings=self._state_shardings), donate_argnums=(1,))
-        self.decode_rows = row_buckets(self.max_concurrent_decodes)
         # packs stay small: on XLA:CPU prefill costs least per token at 128-256 tokens, and a small pack
         # reaches the decode batch sooner (measured: 128 beats 64 and 512 by 3-8% at 32 concurrent)
         self.prefill_pack_tokens = min(int(prefill_pack_tokens or 128), self.max_prefill_length)
@@ -266,55 +195,11 @@ class vEngine:  # noqa: N801 - the seed's name
             )
             for rows in self.decode_rows
         }
-        self._sample = {
-            rows: jax.jit(
-                partial(_sample_impl, rows=rows, num_top=num_top_logprobs, shardings=self._state_shardings),
-                donate_argnums=(0,),
-            )
-            for rows in self.decode_rows
-        }
+        self._sample = self._samplers(self._state_shardings)
         self._zeros = None
         self.compiled = False
 
-    # ------------------------------------------------------------------ properties of the seed's API
-    @property
-    def processor(self) -> Any:
-        return self._processor
-
-    @property
-    def model_name(self) -> str:
-        return self.config.model_type
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        ids = set(self.config.eos_token_ids)
-        tok = self._processor
-        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
-            ids.add(int(tok.eos_token_id))
-        return sorted(ids)
-
-    @property
-    def pad_token_id(self) -> int:
-        tok = self._processor
-        for v in (getattr(tok, "pad_token_id", None), self.config.pad_token_id):
-            if v is not None:
-                return int(v)
-        return self.eos_token_ids[0] if self.eos_token_ids else 0
-
-    @property
-    def colocated_cpus(self) -> list[jax.Device] | None:
-        return None
-
     # ------------------------------------------------------------------ state
-    def _replicated(self):
-        if self.mesh is None:
-            return jax.sharding.SingleDeviceSharding(self._device())
-        return NamedSharding(self.mesh, P())
-
-    def _device(self) -> jax.Device:
-        leaf = jax.tree_util.tree_leaves(self.params)[0]
-        return next(iter(leaf.devices()))
-
     def _cache_shape(self) -> tuple[int, ...]:
         c = self.config
         return (self.max_concurrent_decodes, self.max_length, c.num_kv_heads, c.head_dim)
@@ -378,12 +263,6 @@ class vEngine:  # noqa: N801 - the seed's name
         )
 
     # ------------------------------------------------------------------ steps
-    def bucket_for(self, length: int) -> int:
-        for n in self.prefill_lengths:
-            if length <= n:
-                return n
-        raise ValueError(f"prompt of {length} tokens exceeds max_prefill_length {self.max_prefill_length}")
-
     def check_prompt(self, tokens: Sequence[int]) -> int:
         """The prompt's length if this engine can prefill it, else ValueError with the reason."""
         if len(tokens) < 1:

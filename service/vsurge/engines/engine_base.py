@@ -1,0 +1,173 @@
+"""What vEngine and oEngine share: length planning, the per-row-count sampler step, and the seed API's
+tokenizer-facing properties. The engines differ only in their cache and the programs that touch it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..models.sharding import place_params
+from .sampling import SlotSampling, sample, sharded_sampling
+
+
+def plan_lengths(
+    cfg: Any,
+    max_length: int | None,
+    prefill_lengths: Sequence[int] | None,
+    max_prefill_length: int | None,
+    *,
+    default_max_prefill: int,
+) -> tuple[int, int, list[int]]:
+    """(max_length, max_prefill_length, prefill buckets) from the engine arguments."""
+    max_len = int(max_length or min(cfg.max_position_embeddings, 2048))
+    lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
+    max_prefill = int(max_prefill_length or (lengths[-1] if lengths else min(default_max_prefill, max_len)))
+    if max_prefill > max_len:
+        raise ValueError(f"max_prefill_length {max_prefill} exceeds max_length {max_len}")
+    buckets = [n for n in (lengths or default_prefill_lengths(max_prefill)) if n <= max_prefill]
+    if not buckets or buckets[-1] != max_prefill:
+        buckets.append(max_prefill)
+    return max_len, max_prefill, buckets
+
+
+def _doubling(smallest: int, largest: int) -> list[int]:
+    out, n = [], min(smallest, largest)
+    while n < largest:
+        out.append(n)
+        n *= 2
+    return out + [largest]
+
+
+def default_prefill_lengths(max_prefill_length: int) -> list[int]:
+    return _doubling(32, max_prefill_length)
+
+
+def decode_buckets(max_length: int, smallest: int = 128) -> list[int]:
+    """Cache lengths a paged decode step may read: powers of two from `smallest` up to max_length."""
+    return _doubling(smallest, max_length)
+
+
+def row_buckets(slots: int, smallest: int = 4) -> list[int]:
+    """How many leading slots a decode step covers: powers of two up to `slots`."""
+    return _doubling(smallest, slots)
+
+
+def sampling_context(shardings: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if shardings is None else sharded_sampling()
+
+
+def constrain(state: Any, shardings: Any) -> Any:
+    return state if shardings is None else jax.lax.with_sharding_constraint(state, shardings)
+
+
+def sample_step(state: Any, logits: jax.Array, *, rows: int, num_top: int, shardings: Any):
+    """Sample the first `rows` slots and advance them (tokens, positions, steps, penalty counts).
+
+    `state` is either engine's decode state: both carry tokens, positions, steps, counts, prompt_mask and
+    sampling with one row per slot. Separate from the model forward, so it compiles once per row count.
+    """
+    sampling = SlotSampling(*(a[:rows] for a in state.sampling))
+    with sampling_context(shardings):
+        out = sample(
+            logits, sampling, state.counts[:rows], state.prompt_mask[:rows], state.steps[:rows], num_top
+        )
+    new = state._replace(
+        tokens=state.tokens.at[:rows].set(out.tokens),
+        positions=state.positions.at[:rows].add(1),
+        steps=state.steps.at[:rows].add(1),
+        counts=state.counts.at[jnp.arange(rows), out.tokens].add(1),
+    )
+    return constrain(new, shardings), out
+
+
+class EngineBase:
+    """Model, parameters (placed on the mesh), limits, and the seed API's tokenizer-facing properties."""
+
+    def _setup(
+        self,
+        model: Any,
+        processor: Any,
+        mesh: Mesh | None,
+        max_concurrent_decodes: int | None,
+        max_concurrent_prefill: int,
+        lengths: tuple[int, int, list[int]],
+        batch_size: int | None,
+        seed: int,
+        num_top_logprobs: int,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self._processor = processor
+        self.mesh = mesh
+        self.max_concurrent_decodes = int(max_concurrent_decodes or 16)
+        self.max_concurrent_prefill = int(max_concurrent_prefill)
+        self.max_length, self.max_prefill_length, self.prefill_lengths = lengths
+        self.batch_size = batch_size
+        self.samples_per_slot = 1
+        self.num_top_logprobs = num_top_logprobs
+        self.prng_key = jax.random.PRNGKey(seed)
+        self.graphdef, params = nnx.split(model)
+        self.params = place_params(params, self.config, mesh) if mesh is not None else params
+        self.decode_rows = row_buckets(self.max_concurrent_decodes)
+        self.logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
+
+    def _samplers(self, shardings: Any) -> dict[int, Any]:
+        """The sampler step per row count, the decode state donated."""
+        return {
+            rows: jax.jit(
+                partial(sample_step, rows=rows, num_top=self.num_top_logprobs, shardings=shardings),
+                donate_argnums=(0,),
+            )
+            for rows in self.decode_rows
+        }
+
+    @property
+    def processor(self) -> Any:
+        return self._processor
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_type
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = set(self.config.eos_token_ids)
+        tok = self._processor
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+        return sorted(ids)
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self._processor
+        for v in (getattr(tok, "pad_token_id", None), self.config.pad_token_id):
+            if v is not None:
+                return int(v)
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    @property
+    def colocated_cpus(self) -> list[jax.Device] | None:
+        return None
+
+    def bucket_for(self, length: int) -> int:
+        for n in self.prefill_lengths:
+            if length <= n:
+                return n
+        raise ValueError(f"prompt of {length} tokens exceeds max_prefill_length {self.max_prefill_length}")
+
+    def _replicated(self):
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(self._device())
+        return NamedSharding(self.mesh, P())
+
+    def _device(self) -> jax.Device:
+        leaf = jax.tree_util.tree_leaves(self.params)[0]
+        return next(iter(leaf.devices()))
