@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vsurge.env_options import add_env_arguments, flag_or_env_values
+
 DEFAULT_PORT = 11556
 
 
@@ -273,42 +275,17 @@ class ConfigError(ValueError):
     """A flag or environment variable has an invalid value; the message names which."""
 
 
-def _cli_type(opt: Option) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            return opt.parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    parse.__name__ = opt.dest
-    return parse
+def _default(opt: Option) -> Any:
+    return opt.default
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    for opt in SERVE_OPTIONS:
-        default = "" if opt.default is None else f" (default: {opt.default})"
-        parser.add_argument(
-            opt.flag,
-            dest=opt.dest,
-            type=_cli_type(opt),
-            default=None,  # None means "not given": the env var, then the default, fill it in
-            metavar=opt.metavar,
-            help=f"{opt.help}{default} [env {opt.env}]",
-        )
+    add_env_arguments(parser, SERVE_OPTIONS, _default)
 
 
 def config_from_namespace(ns: argparse.Namespace, env: Mapping[str, str]) -> ServeConfig:
     """Flags over environment over defaults; an invalid env value raises ConfigError naming the variable."""
-    values: dict[str, Any] = {}
-    for opt in SERVE_OPTIONS:
-        value = getattr(ns, opt.dest, None)
-        if value is None and env.get(opt.env, "") != "":
-            try:
-                value = opt.parse(env[opt.env])
-            except ValueError as e:
-                raise ConfigError(f"{opt.env}={env[opt.env]!r}: {e}") from None
-        values[opt.dest] = opt.default if value is None else value
-    cfg = ServeConfig(**values)
+    cfg = ServeConfig(**flag_or_env_values(ns, env, SERVE_OPTIONS, _default, ConfigError))
     if bool(cfg.ssl_keyfile) != bool(cfg.ssl_certfile):
         raise ConfigError(
             "TLS needs both --ssl-keyfile and --ssl-certfile (VSURGE_SSL_KEYFILE / VSURGE_SSL_CERTFILE)"

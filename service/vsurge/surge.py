@@ -37,6 +37,15 @@ __all__ = [
 ]
 
 
+def _as_mesh(mesh: Any) -> Any:
+    """A mesh spec string ('dp=2,tp=4') becomes a Mesh; anything else passes through."""
+    if isinstance(mesh, str):
+        from .models.sharding import make_mesh
+
+        return make_mesh(mesh)
+    return mesh
+
+
 class vSurge:  # noqa: N801 - the seed's name
     def __init__(self, driver: vDriver, vsurge_name: str | None = None):
         self._driver = driver
@@ -62,10 +71,7 @@ class vSurge:  # noqa: N801 - the seed's name
     ) -> vSurge:
         """One vEngine doing both prefill and decode, driven by a vDriver. ``max_concurrent_prefill``:
         how many waiting prompts one prefill call packs together (default 16)."""
-        if isinstance(mesh, str):
-            from .models.sharding import make_mesh
-
-            mesh = make_mesh(mesh)
+        mesh = _as_mesh(mesh)
         engine = vEngine(
             model,
             processor,
@@ -111,10 +117,7 @@ class vSurge:  # noqa: N801 - the seed's name
         from .drivers.odriver import oDriver
         from .engines.oengine import oEngine
 
-        if isinstance(mesh, str):
-            from .models.sharding import make_mesh
-
-            mesh = make_mesh(mesh)
+        mesh = _as_mesh(mesh)
         engine = oEngine(
             model,
             processor,

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from vsurge.env_options import add_env_arguments, flag_or_env_values, parse_env
 
 
 class RouteConfigError(ValueError):
@@ -138,19 +140,14 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 
-def _cli_type(opt: Option) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            return opt.parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+_DEFAULTS = RouterConfig()
 
-    parse.__name__ = opt.dest
-    return parse
+
+def _default(opt: Option) -> Any:
+    return getattr(_DEFAULTS, opt.dest)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = RouterConfig()
     parser.add_argument(
         "-n",
         "--namespace",
@@ -174,31 +171,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="discover InferenceModels from the Kubernetes API (default: yes, unless only --static-config "
         "is given) [env VSURGE_ROUTER_KUBERNETES]",
     )
-    for opt in OPTIONS:
-        default = getattr(defaults, opt.dest)
-        shown = "" if default is None else f" (default: {default})"
-        parser.add_argument(
-            opt.flag,
-            dest=opt.dest,
-            type=_cli_type(opt),
-            default=None,
-            metavar=opt.metavar,
-            help=f"{opt.help}{shown} [env {opt.env}]",
-        )
+    add_env_arguments(parser, OPTIONS, _default)
 
 
 def config_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> RouterConfig:
     """Flags over `VSURGE_ROUTER_*` over defaults; an invalid variable raises naming it."""
-    values: dict[str, Any] = {}
-    for opt in OPTIONS:
-        value = getattr(ns, opt.dest, None)
-        if value is None and env.get(opt.env, "") != "":
-            try:
-                value = opt.parse(env[opt.env])
-            except ValueError as e:
-                raise RouteConfigError(f"{opt.env}={env[opt.env]!r}: {e}") from None
-        if value is not None:
-            values[opt.dest] = value
+    values = flag_or_env_values(ns, env, OPTIONS, _default, RouteConfigError)
     namespaces = tuple(dict.fromkeys(getattr(ns, "namespaces", None) or ()))
     if not namespaces and env.get("VSURGE_ROUTER_NAMESPACES", ""):
         namespaces = _namespaces(env["VSURGE_ROUTER_NAMESPACES"])
@@ -206,18 +184,12 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> RouterCo
         raise RouteConfigError("--all-namespaces and --namespace exclude each other")
     kubernetes = getattr(ns, "kubernetes", None)
     if kubernetes is None and env.get("VSURGE_ROUTER_KUBERNETES", ""):
-        try:
-            kubernetes = _bool(env["VSURGE_ROUTER_KUBERNETES"])
-        except ValueError as e:
-            raise RouteConfigError(
-                f"VSURGE_ROUTER_KUBERNETES={env['VSURGE_ROUTER_KUBERNETES']!r}: {e}"
-            ) from None
+        kubernetes = parse_env("VSURGE_ROUTER_KUBERNETES", env, _bool, RouteConfigError)
     if getattr(ns, "all_namespaces", None) and kubernetes is None:
         kubernetes = True
     values["namespaces"] = namespaces
     values["kubernetes"] = kubernetes
-    known = {f.name for f in fields(RouterConfig)}
-    cfg = RouterConfig(**{k: v for k, v in values.items() if k in known})
+    cfg = RouterConfig(**values)
     if not cfg.use_kubernetes and not cfg.static_config:
         raise RouteConfigError(
             "with --no-kubernetes, give --static-config FILE: the router needs some models"

@@ -8,14 +8,15 @@ registry and the tracer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -92,6 +93,29 @@ def _vocab_size(surge: Any) -> int | None:
     except Exception:
         processor = getattr(surge, "processor", None)
         return len(processor) if processor is not None else None
+
+
+_Req = TypeVar("_Req", CountTokensRequest, TokenizeRequest, DetokenizeRequest)
+_Route = Callable[[Any, Request], Awaitable[Response]]
+
+
+def _answers_api_errors(route: _Route) -> _Route:
+    """For routes outside generation: an APIError raised anywhere in `route` becomes its JSON answer."""
+
+    @functools.wraps(route)
+    async def answer(self: Any, request: Request) -> Response:
+        try:
+            return await route(self, request)
+        except APIError as e:
+            return _error_response(e)
+
+    return answer
+
+
+def _tokenizer(entry: ServedModel) -> Any:
+    if entry.processor is None:
+        raise errors.invalid_request("This model has no tokenizer.", param="model")
+    return entry.processor
 
 
 class vSurgeApiServer:  # noqa: N801 - the seed's name
@@ -544,87 +568,75 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
         return SSEResponse(body(), cleanup=cleanup)
 
     # ------------------------------------------------------------------------------ other routes
+    async def _model_request(self, request: Request, schema: type[_Req]) -> tuple[_Req, ServedModel]:
+        """Authorize, then read the body as `schema` and look up the model it names."""
+        self._check_auth(request)
+        req = validate(schema, await self._json(request))
+        return req, self._model(req.model)
+
+    @_answers_api_errors
     async def available_inference(self, request: Request) -> Response:
         """GET /v1/models."""
-        try:
-            self._check_auth(request)
-        except APIError as e:
-            return _error_response(e)
+        self._check_auth(request)
         return JSONResponse({"object": "list", "data": [_model_card(m) for m in self.models.values()]})
 
+    @_answers_api_errors
     async def get_model(self, request: Request) -> Response:
         """GET /v1/models/{id}."""
-        try:
-            self._check_auth(request)
-            return JSONResponse(_model_card(self._model(request.path_params["model_id"])))
-        except APIError as e:
-            return _error_response(e)
+        self._check_auth(request)
+        return JSONResponse(_model_card(self._model(request.path_params["model_id"])))
 
+    @_answers_api_errors
     async def count_tokens(self, request: Request) -> Response:
         """POST /v1/count_tokens (the seed's): {"model", "conversation": str | messages} -> {"model", "count"}."""
+        req, entry = await self._model_request(request, CountTokensRequest)
+        if isinstance(req.conversation, str):
+            conv: Any = req.conversation
+        else:
+            conv = messages_to_dicts(req.conversation, param="conversation")
         try:
-            self._check_auth(request)
-            req = validate(CountTokensRequest, await self._json(request))
-            entry = self._model(req.model)
-            if isinstance(req.conversation, str):
-                conv: Any = req.conversation
-            else:
-                conv = messages_to_dicts(req.conversation, param="conversation")
-            try:
-                count = await asyncio.to_thread(entry.surge.count_tokens, conv)
-            except ValueError as e:
-                raise errors.invalid_request(str(e), param="conversation") from None
-            return JSONResponse({"model": entry.name, "count": count})
-        except APIError as e:
-            return _error_response(e)
+            count = await asyncio.to_thread(entry.surge.count_tokens, conv)
+        except ValueError as e:
+            raise errors.invalid_request(str(e), param="conversation") from None
+        return JSONResponse({"model": entry.name, "count": count})
 
+    @_answers_api_errors
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize: {"model", "prompt"} or {"model", "messages"} -> {"count", "max_model_len", "tokens"}."""
-        try:
-            self._check_auth(request)
-            req = validate(TokenizeRequest, await self._json(request))
-            entry = self._model(req.model)
-            if (req.prompt is None) == (req.messages is None):
-                raise errors.invalid_request("Send exactly one of 'prompt' or 'messages'.", param="prompt")
-            if entry.processor is None:
-                raise errors.invalid_request("This model has no tokenizer.", param="model")
-            if req.messages is not None:
-                text = render_chat(
-                    entry.processor,
-                    messages_to_dicts(req.messages),
-                    add_generation_prompt=True
-                    if req.add_generation_prompt is None
-                    else req.add_generation_prompt,
-                    chat_template_kwargs=req.chat_template_kwargs,
-                )
-            else:
-                text = req.prompt or ""
-            if req.add_special_tokens is None:
-                # Same rule the engine uses, so /tokenize counts what generation will see.
-                tokens = await asyncio.to_thread(entry.surge.tokenize, text) if text else []
-            else:
-                tokens = list(entry.processor.encode(text, add_special_tokens=req.add_special_tokens))
-            return JSONResponse({"count": len(tokens), "max_model_len": entry.max_length, "tokens": tokens})
-        except APIError as e:
-            return _error_response(e)
+        req, entry = await self._model_request(request, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise errors.invalid_request("Send exactly one of 'prompt' or 'messages'.", param="prompt")
+        processor = _tokenizer(entry)
+        if req.messages is not None:
+            text = render_chat(
+                processor,
+                messages_to_dicts(req.messages),
+                add_generation_prompt=True
+                if req.add_generation_prompt is None
+                else req.add_generation_prompt,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+        else:
+            text = req.prompt or ""
+        if req.add_special_tokens is None:
+            # Same rule the engine uses, so /tokenize counts what generation will see.
+            tokens = await asyncio.to_thread(entry.surge.tokenize, text) if text else []
+        else:
+            tokens = list(processor.encode(text, add_special_tokens=req.add_special_tokens))
+        return JSONResponse({"count": len(tokens), "max_model_len": entry.max_length, "tokens": tokens})
 
+    @_answers_api_errors
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize: {"model", "tokens"} -> {"prompt"}."""
-        try:
-            self._check_auth(request)
-            req = validate(DetokenizeRequest, await self._json(request))
-            entry = self._model(req.model)
-            if entry.processor is None:
-                raise errors.invalid_request("This model has no tokenizer.", param="model")
-            limit = len(entry.processor)
-            bad = next((t for t in req.tokens if not (0 <= t < limit)), None)
-            if bad is not None:
-                raise errors.invalid_request(
-                    f"'tokens' contains {bad}, outside the tokenizer's {limit} tokens.", param="tokens"
-                )
-            return JSONResponse({"prompt": entry.processor.decode(req.tokens)})
-        except APIError as e:
-            return _error_response(e)
+        req, entry = await self._model_request(request, DetokenizeRequest)
+        processor = _tokenizer(entry)
+        limit = len(processor)
+        bad = next((t for t in req.tokens if not (0 <= t < limit)), None)
+        if bad is not None:
+            raise errors.invalid_request(
+                f"'tokens' contains {bad}, outside the tokenizer's {limit} tokens.", param="tokens"
+            )
+        return JSONResponse({"prompt": processor.decode(req.tokens)})
 
     async def liveness(self, request: Request) -> Response:
         """GET /liveness: the process and its event loop answer; fails only if an engine died while serving."""
