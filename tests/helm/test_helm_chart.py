@@ -35,34 +35,25 @@ CRD_KINDS = {
 }
 
 # The exact set of objects each scenario renders: (kind, namespace or None for cluster-scoped, name).
+# What a cluster-wide release in vsurge-system renders whatever its options, the operator's ServiceAccount aside:
+_CLUSTER_WIDE: set[tuple[str, str | None, str]] = {
+    ("ServiceAccount", "vsurge-system", "vsurge-router"),
+    ("ClusterRole", None, "vsurge-operator"),
+    ("ClusterRole", None, "vsurge-router"),
+    ("ClusterRole", None, "vsurge-inferencemodels-edit"),
+    ("ClusterRole", None, "vsurge-inferencemodels-view"),
+    ("ClusterRoleBinding", None, "vsurge-operator"),
+    ("ClusterRoleBinding", None, "vsurge-router"),
+    ("Deployment", "vsurge-system", "vsurge-operator"),
+    ("Deployment", "vsurge-system", "vsurge-router"),
+    ("Service", "vsurge-system", "vsurge-router"),
+    ("PodDisruptionBudget", "vsurge-system", "vsurge-router"),
+}
 INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
-    "defaults": {
-        ("ServiceAccount", "vsurge-system", "vsurge-operator"),
-        ("ServiceAccount", "vsurge-system", "vsurge-router"),
-        ("ClusterRole", None, "vsurge-operator"),
-        ("ClusterRole", None, "vsurge-router"),
-        ("ClusterRole", None, "vsurge-inferencemodels-edit"),
-        ("ClusterRole", None, "vsurge-inferencemodels-view"),
-        ("ClusterRoleBinding", None, "vsurge-operator"),
-        ("ClusterRoleBinding", None, "vsurge-router"),
-        ("Deployment", "vsurge-system", "vsurge-operator"),
-        ("Deployment", "vsurge-system", "vsurge-router"),
-        ("Service", "vsurge-system", "vsurge-router"),
-        ("PodDisruptionBudget", "vsurge-system", "vsurge-router"),
-    },
-    "all-options": {
+    "defaults": _CLUSTER_WIDE | {("ServiceAccount", "vsurge-system", "vsurge-operator")},
+    "all-options": _CLUSTER_WIDE
+    | {
         ("ServiceAccount", "vsurge-system", "vsurge-operator-sa"),
-        ("ServiceAccount", "vsurge-system", "vsurge-router"),
-        ("ClusterRole", None, "vsurge-operator"),
-        ("ClusterRole", None, "vsurge-router"),
-        ("ClusterRole", None, "vsurge-inferencemodels-edit"),
-        ("ClusterRole", None, "vsurge-inferencemodels-view"),
-        ("ClusterRoleBinding", None, "vsurge-operator"),
-        ("ClusterRoleBinding", None, "vsurge-router"),
-        ("Deployment", "vsurge-system", "vsurge-operator"),
-        ("Deployment", "vsurge-system", "vsurge-router"),
-        ("Service", "vsurge-system", "vsurge-router"),
-        ("PodDisruptionBudget", "vsurge-system", "vsurge-router"),
         ("ConfigMap", "vsurge-system", "vsurge-router"),
         ("Ingress", "vsurge-system", "vsurge-router"),
         ("ServiceMonitor", "vsurge-system", "vsurge-router"),
@@ -256,73 +247,61 @@ _SELECTOR = {
     },
 }
 _META = {"type": "object", "required": ["name"]}
-SERVICE_MONITOR = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "metadata": _META,
-        "spec": {
-            "type": "object",
-            "required": ["selector", "endpoints"],
-            "additionalProperties": False,
-            "properties": {
-                "selector": _SELECTOR,
-                "namespaceSelector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "any": {"type": "boolean"},
-                        "matchNames": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
-                "endpoints": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "required": ["port"],
-                        "additionalProperties": False,
-                        "properties": {
-                            "port": {"type": "string"},
-                            "path": {"type": "string"},
-                            "interval": _DURATION,
-                            "scrapeTimeout": _DURATION,
+
+
+def _monitor_schema(
+    port: dict[str, Any], spec: dict[str, Any] | None = None, endpoint: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A monitor kind: metadata, a selector, endpoints by ``port`` with path and interval; plus the kind's
+    own ``spec`` and ``endpoint`` fields."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "required": ["selector", "endpoints"],
+                "additionalProperties": False,
+                "properties": {
+                    "selector": _SELECTOR,
+                    **(spec or {}),
+                    "endpoints": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["port"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "port": port,
+                                "path": {"type": "string"},
+                                "interval": _DURATION,
+                                **(endpoint or {}),
+                            },
                         },
                     },
                 },
             },
         },
-    },
-}
-POD_MONITORING = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "metadata": _META,
-        "spec": {
+    }
+
+
+SERVICE_MONITOR = _monitor_schema(
+    {"type": "string"},
+    spec={
+        "namespaceSelector": {
             "type": "object",
-            "required": ["selector", "endpoints"],
             "additionalProperties": False,
             "properties": {
-                "selector": _SELECTOR,
-                "endpoints": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "required": ["port"],
-                        "additionalProperties": False,
-                        "properties": {
-                            "port": {"type": ["string", "integer"]},
-                            "path": {"type": "string"},
-                            "interval": _DURATION,
-                        },
-                    },
-                },
+                "any": {"type": "boolean"},
+                "matchNames": {"type": "array", "items": {"type": "string"}},
             },
         },
     },
-}
+    endpoint={"scrapeTimeout": _DURATION},
+)
+POD_MONITORING = _monitor_schema({"type": ["string", "integer"]})
 MONITOR_SCHEMAS = {
     "ServiceMonitor": SERVICE_MONITOR,
     "PodMonitoring": POD_MONITORING,

@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-# Until the project is pip-installed, import the operator from the source tree.
-_OPERATOR_SRC = str(Path(__file__).resolve().parents[2] / "operator")
-if _OPERATOR_SRC not in sys.path:
-    sys.path.insert(0, _OPERATOR_SRC)
+# Until the project is pip-installed, import the operator from the source tree; tests/ holds kmock_harness,
+# shared with the router suite.
+_REPO = Path(__file__).resolve().parents[2]
+for _extra in (str(_REPO / "operator"), str(_REPO / "tests")):
+    if _extra not in sys.path:
+        sys.path.insert(0, _extra)
 
-from operator_harness import (  # noqa: E402
-    FakeKubelet,
-    KMockCluster,
-    MetricsBoard,
-    OperatorProcess,
-    fixed_parse_path,
-)
+from kmock_harness import KMockCluster, fixed_parse_path  # noqa: E402
+from operator_harness import FakeKubelet, MetricsBoard, OperatorProcess, inference_model  # noqa: E402
+
+from vsurge_operator import kube  # noqa: E402
 
 
 @pytest.fixture
@@ -38,6 +38,22 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[KMockCluster]:
 def namespace(cluster: KMockCluster) -> str:
     cluster.add_namespace("models")
     return "models"
+
+
+@pytest.fixture
+def api(cluster: KMockCluster) -> kube.Kube:
+    """The test's own API client (it plays kubectl)."""
+    return cluster.client()
+
+
+@pytest.fixture
+def create_model(api: kube.Kube, namespace: str) -> Callable[..., dict[str, Any]]:
+    """``create_model(name, **spec)``: create ``inference_model(name, namespace, **spec)`` through ``api``."""
+
+    def create(name: str, **spec: Any) -> dict[str, Any]:
+        return api.create(kube.INFERENCE_MODEL, namespace, inference_model(name, namespace, **spec))
+
+    return create
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from operator_harness import KMockCluster, inference_model, wait_for
+from kmock_harness import KMockCluster, wait_for
 
 from vsurge_operator import kube
 
@@ -33,27 +33,21 @@ def _spec_replicas_history(cluster: KMockCluster, resource: str, namespace: str,
 
 
 def test_replicas_follow_occupancy_within_windows_and_bounds(
-    cluster, namespace, start_operator, kubelet, board
+    cluster, namespace, start_operator, create_model, kubelet, board
 ):
     board.occupancy = 0.3
     start_operator()
-    api = cluster.client()
-    api.create(
-        kube.INFERENCE_MODEL,
-        namespace,
-        inference_model(
-            "auto",
-            namespace,
-            autoscaling={
-                "enabled": True,
-                "minReplicas": 1,
-                "maxReplicas": 3,
-                "target": 0.5,
-                "intervalSeconds": 1,
-                "scaleUpStabilizationSeconds": 0,
-                "scaleDownStabilizationSeconds": 6,
-            },
-        ),
+    create_model(
+        "auto",
+        autoscaling={
+            "enabled": True,
+            "minReplicas": 1,
+            "maxReplicas": 3,
+            "target": 0.5,
+            "intervalSeconds": 1,
+            "scaleUpStabilizationSeconds": 0,
+            "scaleDownStabilizationSeconds": 6,
+        },
     )
     wait_for(lambda: cluster.obj(DEP, namespace, "auto"), message="Deployment created")
 
@@ -112,27 +106,21 @@ def test_replicas_follow_occupancy_within_windows_and_bounds(
     assert not kubelet.errors
 
 
-def test_missing_metrics_hold_replicas(cluster, namespace, start_operator, kubelet, board):
+def test_missing_metrics_hold_replicas(cluster, namespace, start_operator, create_model, kubelet, board):
     board.occupancy = 0.05
     board.silent.update({"quiet-pod-0", "quiet-pod-1"})  # both pods answer /metrics without the series
     start_operator()
-    api = cluster.client()
-    api.create(
-        kube.INFERENCE_MODEL,
-        namespace,
-        inference_model(
-            "quiet",
-            namespace,
-            replicas=2,
-            autoscaling={
-                "enabled": True,
-                "minReplicas": 1,
-                "maxReplicas": 4,
-                "target": 0.5,
-                "intervalSeconds": 1,
-                "scaleDownStabilizationSeconds": 0,
-            },
-        ),
+    create_model(
+        "quiet",
+        replicas=2,
+        autoscaling={
+            "enabled": True,
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "target": 0.5,
+            "intervalSeconds": 1,
+            "scaleDownStabilizationSeconds": 0,
+        },
     )
     wait_for(lambda: len(kubelet.servers) == 2, 10, message="two pods")
 

@@ -7,7 +7,8 @@ import sys
 
 import kopf
 import pytest
-from operator_harness import REPO, OperatorProcess, inference_model, wait_for
+from kmock_harness import REPO, wait_for
+from operator_harness import OperatorProcess, inference_model
 
 from vsurge_operator import __main__ as cli
 from vsurge_operator import handlers, kube

@@ -7,13 +7,13 @@ defaults must equal those of the operator's own validation and spec modules.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import pytest
 from kubernetes_validate import utils as kv
+from operator_harness import DELETE, issue_example, with_field
 
 from vsurge_operator import crd, spec, tpu, validation
 
@@ -90,17 +90,7 @@ def test_schema_is_structural():
 VALID = {
     "minimal": im(),
     "issue example": im(
-        model={"source": "gs://bucket/llama-3-8b", "servedName": "llama-3-8b"},
-        engine={
-            "driver": "odriver",
-            "maxConcurrentDecodes": 64,
-            "maxLength": 4096,
-            "prefillLengths": [256, 1024, 4096],
-            "pageSize": 128,
-            "hbmUtilization": 0.85,
-            "dtype": "bfloat16",
-        },
-        tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"},
+        **issue_example(),
         image="reg/vsurge-service:1",
         replicas=1,
         autoscaling={
@@ -142,67 +132,56 @@ def test_valid_specs_pass(name):
     assert validation.validate(VALID[name], default_image="img") == []
 
 
-def _set(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
-    doc = copy.deepcopy(doc)
-    *parents, leaf = path.split(".")
-    node = doc
-    for p in parents:
-        node = node.setdefault(p, {})
-    if value is _DELETE:
-        node.pop(leaf, None)
-    else:
-        node[leaf] = value
-    return doc
-
-
-_DELETE = object()
 BASE = VALID["issue example"]
 BAD = [
-    ("spec", _set(BASE, "spec", _DELETE)),
-    ("spec.model", _set(BASE, "spec.model", _DELETE)),
-    ("spec.model.source", _set(BASE, "spec.model.source", _DELETE)),
-    ("spec.model.source", _set(BASE, "spec.model.source", "ftp://host/model")),
-    ("spec.model.source", _set(BASE, "spec.model.source", "")),
-    ("spec.model.servedName", _set(BASE, "spec.model.servedName", "bad name")),
-    ("spec.engine.driver", _set(BASE, "spec.engine.driver", "fast")),
-    ("spec.engine.maxConcurrentDecodes", _set(BASE, "spec.engine.maxConcurrentDecodes", 0)),
-    ("spec.engine.maxLength", _set(BASE, "spec.engine.maxLength", 10**9)),
-    ("spec.engine.prefillLengths", _set(BASE, "spec.engine.prefillLengths", [])),
-    ("spec.engine.prefillLengths[]", _set(BASE, "spec.engine.prefillLengths", [8])),
-    ("spec.engine.pageSize", _set(BASE, "spec.engine.pageSize", 100)),
-    ("spec.engine.hbmUtilization", _set(BASE, "spec.engine.hbmUtilization", 0)),
-    ("spec.engine.hbmUtilization", _set(BASE, "spec.engine.hbmUtilization", 1.2)),
-    ("spec.engine.dtype", _set(BASE, "spec.engine.dtype", "int8")),
-    ("spec.engine.mesh", _set(BASE, "spec.engine.mesh", "tensor=8")),
-    ("spec.tpu.accelerator", _set(BASE, "spec.tpu.accelerator", "nvidia-h100")),
-    ("spec.tpu.topology", _set(BASE, "spec.tpu.topology", "2by4")),
-    ("spec.tpu.topology", _set(BASE, "spec.tpu.topology", "0x4")),
-    ("spec.tpu.topology", _set(BASE, "spec.tpu.topology", _DELETE)),
-    ("spec.image", _set(BASE, "spec.image", "")),
-    ("spec.imagePullPolicy", _set(BASE, "spec.imagePullPolicy", "Sometimes")),
-    ("spec.replicas", _set(BASE, "spec.replicas", -1)),
-    ("spec.replicas", _set(BASE, "spec.replicas", "2")),
-    ("spec.autoscaling.enabled", _set(BASE, "spec.autoscaling.enabled", "yes")),
-    ("spec.autoscaling.minReplicas", _set(BASE, "spec.autoscaling.minReplicas", -1)),
-    ("spec.autoscaling.maxReplicas", _set(BASE, "spec.autoscaling.maxReplicas", 0)),
-    ("spec.autoscaling.metric", _set(BASE, "spec.autoscaling.metric", "cpu")),
-    ("spec.autoscaling.target", _set(BASE, "spec.autoscaling.target", 0)),
-    ("spec.autoscaling.tolerance", _set(BASE, "spec.autoscaling.tolerance", 0.9)),
-    ("spec.autoscaling.intervalSeconds", _set(BASE, "spec.autoscaling.intervalSeconds", 0)),
+    ("spec", with_field(BASE, "spec", DELETE)),
+    ("spec.model", with_field(BASE, "spec.model", DELETE)),
+    ("spec.model.source", with_field(BASE, "spec.model.source", DELETE)),
+    ("spec.model.source", with_field(BASE, "spec.model.source", "ftp://host/model")),
+    ("spec.model.source", with_field(BASE, "spec.model.source", "")),
+    ("spec.model.servedName", with_field(BASE, "spec.model.servedName", "bad name")),
+    ("spec.engine.driver", with_field(BASE, "spec.engine.driver", "fast")),
+    ("spec.engine.maxConcurrentDecodes", with_field(BASE, "spec.engine.maxConcurrentDecodes", 0)),
+    ("spec.engine.maxLength", with_field(BASE, "spec.engine.maxLength", 10**9)),
+    ("spec.engine.prefillLengths", with_field(BASE, "spec.engine.prefillLengths", [])),
+    ("spec.engine.prefillLengths[]", with_field(BASE, "spec.engine.prefillLengths", [8])),
+    ("spec.engine.pageSize", with_field(BASE, "spec.engine.pageSize", 100)),
+    ("spec.engine.hbmUtilization", with_field(BASE, "spec.engine.hbmUtilization", 0)),
+    ("spec.engine.hbmUtilization", with_field(BASE, "spec.engine.hbmUtilization", 1.2)),
+    ("spec.engine.dtype", with_field(BASE, "spec.engine.dtype", "int8")),
+    ("spec.engine.mesh", with_field(BASE, "spec.engine.mesh", "tensor=8")),
+    ("spec.tpu.accelerator", with_field(BASE, "spec.tpu.accelerator", "nvidia-h100")),
+    ("spec.tpu.topology", with_field(BASE, "spec.tpu.topology", "2by4")),
+    ("spec.tpu.topology", with_field(BASE, "spec.tpu.topology", "0x4")),
+    ("spec.tpu.topology", with_field(BASE, "spec.tpu.topology", DELETE)),
+    ("spec.image", with_field(BASE, "spec.image", "")),
+    ("spec.imagePullPolicy", with_field(BASE, "spec.imagePullPolicy", "Sometimes")),
+    ("spec.replicas", with_field(BASE, "spec.replicas", -1)),
+    ("spec.replicas", with_field(BASE, "spec.replicas", "2")),
+    ("spec.autoscaling.enabled", with_field(BASE, "spec.autoscaling.enabled", "yes")),
+    ("spec.autoscaling.minReplicas", with_field(BASE, "spec.autoscaling.minReplicas", -1)),
+    ("spec.autoscaling.maxReplicas", with_field(BASE, "spec.autoscaling.maxReplicas", 0)),
+    ("spec.autoscaling.metric", with_field(BASE, "spec.autoscaling.metric", "cpu")),
+    ("spec.autoscaling.target", with_field(BASE, "spec.autoscaling.target", 0)),
+    ("spec.autoscaling.tolerance", with_field(BASE, "spec.autoscaling.tolerance", 0.9)),
+    ("spec.autoscaling.intervalSeconds", with_field(BASE, "spec.autoscaling.intervalSeconds", 0)),
     (
         "spec.autoscaling.scaleDownStabilizationSeconds",
-        _set(BASE, "spec.autoscaling.scaleDownStabilizationSeconds", 7200),
+        with_field(BASE, "spec.autoscaling.scaleDownStabilizationSeconds", 7200),
     ),
-    ("spec.autoscaling.scaleDownPercent", _set(BASE, "spec.autoscaling.scaleDownPercent", 101)),
-    ("spec.tracing.endpoint", _set(BASE, "spec.tracing.endpoint", "otel-collector:4317")),
-    ("spec.tracing.endpoint", _set(BASE, "spec.tracing.endpoint", _DELETE)),
-    ("spec.tracing.samplingRatio", _set(BASE, "spec.tracing.samplingRatio", 1.5)),
-    ("spec.resources.limits.cpu", _set(BASE, "spec.resources", {"limits": {"cpu": "lots"}})),
-    ("spec.env[0].name", _set(BASE, "spec.env", [{"value": "x"}])),
-    ("spec.env[0].name", _set(BASE, "spec.env", [{"name": "1=x"}])),
-    ("spec.nodeSelector.pool", _set(BASE, "spec.nodeSelector", {"pool": 3})),
-    ("spec.tolerations[0].operator", _set(BASE, "spec.tolerations", [{"key": "k", "operator": "Maybe"}])),
-    ("spec.serviceAccountName", _set(BASE, "spec.serviceAccountName", "Bad_Name")),
+    ("spec.autoscaling.scaleDownPercent", with_field(BASE, "spec.autoscaling.scaleDownPercent", 101)),
+    ("spec.tracing.endpoint", with_field(BASE, "spec.tracing.endpoint", "otel-collector:4317")),
+    ("spec.tracing.endpoint", with_field(BASE, "spec.tracing.endpoint", DELETE)),
+    ("spec.tracing.samplingRatio", with_field(BASE, "spec.tracing.samplingRatio", 1.5)),
+    ("spec.resources.limits.cpu", with_field(BASE, "spec.resources", {"limits": {"cpu": "lots"}})),
+    ("spec.env[0].name", with_field(BASE, "spec.env", [{"value": "x"}])),
+    ("spec.env[0].name", with_field(BASE, "spec.env", [{"name": "1=x"}])),
+    ("spec.nodeSelector.pool", with_field(BASE, "spec.nodeSelector", {"pool": 3})),
+    (
+        "spec.tolerations[0].operator",
+        with_field(BASE, "spec.tolerations", [{"key": "k", "operator": "Maybe"}]),
+    ),
+    ("spec.serviceAccountName", with_field(BASE, "spec.serviceAccountName", "Bad_Name")),
 ]
 
 
@@ -231,7 +210,7 @@ def test_bad_specs_are_rejected_by_the_schema(field, doc):
 
 def test_cross_field_rules_are_left_to_the_operator():
     # The schema cannot see that v5e has no 4x4x4 slice; the operator must catch it.
-    doc = _set(BASE, "spec.tpu.topology", "4x4x4")
+    doc = with_field(BASE, "spec.tpu.topology", "4x4x4")
     VALIDATOR.validate(doc)
     assert [e.field for e in validation.validate(doc)] == ["spec.tpu.topology"]
     # CEL rules carry the rest to a real API server.

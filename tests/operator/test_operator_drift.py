@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kmock_harness import apply_merge_patch
 
 from vsurge_operator import drift
 
@@ -18,19 +18,6 @@ WANT = {
         "template": {"spec": {"containers": [{"name": "c", "env": [{"name": "X", "value": "1"}]}]}},
     },
 }
-
-
-def apply_merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386, as the API server applies ``application/merge-patch+json``."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = apply_merge_patch(out.get(k), v)
-    return out
 
 
 def server_defaults(obj: dict) -> dict:

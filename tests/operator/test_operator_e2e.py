@@ -9,12 +9,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from operator_harness import (
-    KMockCluster,
-    condition,
-    inference_model,
-    wait_for,
-)
+from kmock_harness import Fault, KMockCluster, wait_for
+from operator_harness import condition, issue_example
 
 from vsurge_operator import kube
 
@@ -42,6 +38,13 @@ def _status_where(
     return wait_for(check, timeout, message=message or f"status of {name}")
 
 
+def _condition_where(cluster: KMockCluster, ns: str, name: str, type_: str, status: str) -> dict:
+    """Wait until the InferenceModel's condition ``type_`` has ``status``; return the object."""
+    return _status_where(
+        cluster, ns, name, lambda o: condition(o, type_).get("status") == status, message=f"{type_}={status}"
+    )
+
+
 def _events(cluster: KMockCluster, ns: str, reason: str | None = None) -> list[dict]:
     events = cluster.objects("events", ns)
     return [e for e in events if reason is None or e.get("reason") == reason]
@@ -55,29 +58,15 @@ def _operator_writes(cluster: KMockCluster, plural: str | None = None, method: s
     ]
 
 
-def test_create_builds_workload_service_and_pdb(cluster, namespace, start_operator, kubelet):
+def test_create_builds_workload_service_and_pdb(cluster, namespace, start_operator, create_model, kubelet):
     start_operator()
-    api = cluster.client()
-    api.create(
-        kube.INFERENCE_MODEL,
-        namespace,
-        inference_model(
-            "llama",
-            namespace,
-            model={"source": "gs://bucket/llama-3-8b", "servedName": "llama-3-8b"},
-            engine={
-                "driver": "odriver",
-                "maxConcurrentDecodes": 64,
-                "maxLength": 4096,
-                "prefillLengths": [256, 1024, 4096],
-                "pageSize": 128,
-                "hbmUtilization": 0.85,
-                "dtype": "bfloat16",
-            },
-            tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"},
-            tracing={"endpoint": "http://otel-collector:4317", "samplingRatio": 0.25},
-            env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
-        ),
+    # The issue's example: gs://bucket/llama-3-8b served as llama-3-8b, odriver with 64 decode slots,
+    # maxLength 4096, prefill lengths 256/1024/4096, pages of 128, 85 % of HBM, bfloat16, on a v5e 2x4.
+    create_model(
+        "llama",
+        **issue_example(),
+        tracing={"endpoint": "http://otel-collector:4317", "samplingRatio": 0.25},
+        env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
     )
     dep = wait_for(lambda: cluster.obj(DEP, namespace, "llama"), message="Deployment created")
     svc = wait_for(lambda: cluster.obj(SVC, namespace, "llama"), message="Service created")
@@ -145,20 +134,12 @@ def test_create_builds_workload_service_and_pdb(cluster, namespace, start_operat
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"http": 11556, "metrics": 11557}
 
     # Status, once the fake kubelet reports the pod ready.
-    im = _status_where(
-        cluster,
-        namespace,
-        "llama",
-        lambda o: condition(o, "Ready").get("status") == "True",
-        message="Ready=True",
-    )
+    im = _condition_where(cluster, namespace, "llama", "Ready", "True")
     st = im["status"]
     assert st["endpoint"] == "http://llama.models.svc.cluster.local:11556"
     assert st["readyReplicas"] == 1 and st["desiredReplicas"] == 1 and st["observedGeneration"] == 1
     assert st["selector"] == "app.kubernetes.io/name=vsurge-server,vsurge.io/model=llama"
-    im = _status_where(
-        cluster, namespace, "llama", lambda o: condition(o, "Progressing").get("status") == "False"
-    )
+    im = _condition_where(cluster, namespace, "llama", "Progressing", "False")
     assert condition(im, "Progressing")["reason"] == "Stable"
     assert condition(im, "Degraded")["status"] == "False"
 
@@ -171,19 +152,9 @@ def test_create_builds_workload_service_and_pdb(cluster, namespace, start_operat
     assert not cluster.requests(method="PUT")
 
 
-def test_update_patches_in_place(cluster, namespace, start_operator):
+def test_update_patches_in_place(cluster, namespace, api, start_operator, create_model):
     start_operator()
-    api = cluster.client()
-    api.create(
-        kube.INFERENCE_MODEL,
-        namespace,
-        inference_model(
-            "qwen",
-            namespace,
-            engine={"maxLength": 2048},
-            tracing={"endpoint": "http://otel:4317"},
-        ),
-    )
+    create_model("qwen", engine={"maxLength": 2048}, tracing={"endpoint": "http://otel:4317"})
     dep = wait_for(lambda: cluster.obj(DEP, namespace, "qwen"), message="Deployment created")
     uid = dep["metadata"]["uid"]
     assert _env(dep["spec"]["template"])["VSURGE_MAX_LENGTH"]["value"] == "2048"
@@ -226,10 +197,11 @@ def test_update_patches_in_place(cluster, namespace, start_operator):
     wait_for(lambda: cluster.obj(IM, namespace, "qwen") is None, message="InferenceModel deleted")
 
 
-def test_steady_state_writes_nothing_and_timer_repairs_drift(cluster, namespace, start_operator):
+def test_steady_state_writes_nothing_and_timer_repairs_drift(
+    cluster, namespace, api, start_operator, create_model
+):
     start_operator(resync=0.5)
-    api = cluster.client()
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model("gemma", namespace))
+    create_model("gemma")
     dep = wait_for(lambda: cluster.obj(DEP, namespace, "gemma"), message="Deployment created")
     _status_where(
         cluster, namespace, "gemma", lambda o: o.get("status", {}).get("endpoint"), message="status written"
@@ -259,19 +231,9 @@ def test_steady_state_writes_nothing_and_timer_repairs_drift(cluster, namespace,
     wait_for(lambda: cluster.obj(SVC, namespace, "gemma"), 10, message="Service recreated")
 
 
-def test_multi_host_topology_gets_a_leader_worker_set(cluster, namespace, start_operator):
+def test_multi_host_topology_gets_a_leader_worker_set(cluster, namespace, api, start_operator, create_model):
     start_operator()
-    api = cluster.client()
-    api.create(
-        kube.INFERENCE_MODEL,
-        namespace,
-        inference_model(
-            "big",
-            namespace,
-            tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4"},
-            replicas=2,
-        ),
-    )
+    create_model("big", tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4"}, replicas=2)
     lws = wait_for(lambda: cluster.obj(LWS, namespace, "big"), message="LeaderWorkerSet created")
     svc = wait_for(lambda: cluster.obj(SVC, namespace, "big"), message="Service created")
     pdb = wait_for(lambda: cluster.obj(PDB, namespace, "big"), message="PDB created")
@@ -308,9 +270,7 @@ def test_multi_host_topology_gets_a_leader_worker_set(cluster, namespace, start_
     )
 
 
-def test_api_errors_are_retried(cluster, namespace, start_operator):
-    from operator_harness import Fault
-
+def test_api_errors_are_retried(cluster, namespace, api, start_operator, create_model):
     faults = [
         Fault("POST", "deployments", 500),
         Fault("POST", "services", 409),
@@ -319,8 +279,7 @@ def test_api_errors_are_retried(cluster, namespace, start_operator):
     cluster.call(lambda: cluster.emulator.faults.extend(faults))
     # A long resync: recovery must come from the handler's own retry, not from the drift timer.
     start_operator(resync=60)
-    api = cluster.client()
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model("mistral", namespace))
+    create_model("mistral")
 
     wait_for(lambda: cluster.obj(DEP, namespace, "mistral"), message="Deployment created after a 500")
     wait_for(lambda: cluster.obj(SVC, namespace, "mistral"), message="Service created after a 409")
@@ -334,13 +293,7 @@ def test_api_errors_are_retried(cluster, namespace, start_operator):
     # Degraded was set while failing, and cleared once the reconcile went through.
     history = [v for v in cluster.history(IM, namespace, "mistral") if v]
     assert any(condition(v, "Degraded").get("status") == "True" for v in history)
-    _status_where(
-        cluster,
-        namespace,
-        "mistral",
-        lambda o: condition(o, "Degraded").get("status") == "False",
-        message="Degraded cleared",
-    )
+    _condition_where(cluster, namespace, "mistral", "Degraded", "False")
 
     # A failing PATCH (after a spec change) is retried as well.
     api.patch(kube.INFERENCE_MODEL, namespace, "mistral", {"spec": {"model": {"servedName": "mistral-7b"}}})
@@ -364,26 +317,11 @@ def test_api_errors_are_retried(cluster, namespace, start_operator):
     assert faults[2].hits == 1
 
 
-def test_invalid_spec_is_degraded_and_creates_nothing(cluster, namespace, start_operator):
+def test_invalid_spec_is_degraded_and_creates_nothing(cluster, namespace, api, start_operator, create_model):
     start_operator()
-    api = cluster.client()
     # Passes the CRD's topology pattern, but v5e has no 4x4x4 slice.
-    api.create(
-        kube.INFERENCE_MODEL,
-        namespace,
-        inference_model(
-            "bad",
-            namespace,
-            tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4x4"},
-        ),
-    )
-    im = _status_where(
-        cluster,
-        namespace,
-        "bad",
-        lambda o: condition(o, "Degraded").get("status") == "True",
-        message="Degraded=True",
-    )
+    create_model("bad", tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4x4"})
+    im = _condition_where(cluster, namespace, "bad", "Degraded", "True")
     degraded = condition(im, "Degraded")
     assert degraded["reason"] == "InvalidSpec"
     assert "spec.tpu.topology" in degraded["message"] and "4x4x4" in degraded["message"]
@@ -401,13 +339,14 @@ def test_invalid_spec_is_degraded_and_creates_nothing(cluster, namespace, start_
     api.patch(kube.INFERENCE_MODEL, namespace, "bad", {"spec": {"tpu": {"topology": "2x2"}}})
     dep = wait_for(lambda: cluster.obj(DEP, namespace, "bad"), message="created once fixed")
     assert dep["spec"]["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x2"
-    _status_where(cluster, namespace, "bad", lambda o: condition(o, "Degraded").get("status") == "False")
+    _condition_where(cluster, namespace, "bad", "Degraded", "False")
 
 
-def test_replicas_set_through_scale_are_kept_when_autoscaling_is_off(cluster, namespace, start_operator):
+def test_replicas_set_through_scale_are_kept_when_autoscaling_is_off(
+    cluster, namespace, api, start_operator, create_model
+):
     start_operator()
-    api = cluster.client()
-    api.create(kube.INFERENCE_MODEL, namespace, inference_model("phi", namespace, replicas=1))
+    create_model("phi", replicas=1)
     wait_for(lambda: cluster.obj(DEP, namespace, "phi"), message="Deployment created")
 
     # `kubectl scale im/phi --replicas=3` (or the router waking a model) goes through /scale.

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from operator_harness import inference_model, wait_for
+from kmock_harness import wait_for
 
 from vsurge_operator import kube
 
@@ -54,27 +54,23 @@ def rbac_verb(request) -> str | None:
     return None
 
 
-def test_every_operator_call_is_allowed_by_the_chart(cluster, namespace, start_operator, kubelet, board):
+def test_every_operator_call_is_allowed_by_the_chart(
+    cluster, namespace, api, start_operator, create_model, kubelet, board
+):
     tables = _rbac_tables()
     board.occupancy = 0.95
     start_operator()
-    api = cluster.client()
-    api.create(
-        kube.INFERENCE_MODEL,
-        namespace,
-        inference_model(
-            "rbac",
-            namespace,
-            autoscaling={
-                "enabled": True,
-                "minReplicas": 1,
-                "maxReplicas": 2,
-                "target": 0.5,
-                "intervalSeconds": 1,
-                "scaleUpStabilizationSeconds": 0,
-                "scaleDownStabilizationSeconds": 60,
-            },
-        ),
+    create_model(
+        "rbac",
+        autoscaling={
+            "enabled": True,
+            "minReplicas": 1,
+            "maxReplicas": 2,
+            "target": 0.5,
+            "intervalSeconds": 1,
+            "scaleUpStabilizationSeconds": 0,
+            "scaleDownStabilizationSeconds": 60,
+        },
     )
     wait_for(lambda: cluster.obj(DEP, namespace, "rbac"), message="Deployment created")
     wait_for(

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from kmock_harness import Fault, KMockCluster
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from operator_harness import Fault, KMockCluster, MetricsBoard, PodMetricsServer, condition, inference_model
+from operator_harness import MetricsBoard, PodMetricsServer, condition, inference_model
 
 from vsurge_operator import apply, kube, manifests, reconcile, scaling, spec, tracing
 from vsurge_operator.config import OperatorConfig
@@ -36,22 +37,29 @@ class Events(list):
         return [r for _, r, _ in self]
 
 
-def _create(cluster: KMockCluster, api: kube.Kube, body: dict[str, Any]) -> dict[str, Any]:
-    api.create(kube.INFERENCE_MODEL, body["metadata"]["namespace"], body)
-    return cluster.obj(IM, body["metadata"]["namespace"], body["metadata"]["name"])
+def _create(cluster: KMockCluster, api: kube.Kube, namespace: str, **spec: Any) -> dict[str, Any]:
+    """Create the InferenceModel ``m`` with ``spec``; return it as stored."""
+    api.create(kube.INFERENCE_MODEL, namespace, inference_model("m", namespace, **spec))
+    return cluster.obj(IM, namespace, "m")
+
+
+def _reconciler(api: kube.Kube) -> tuple[reconcile.Reconciler, Events]:
+    """A Reconciler on ``api``'s connection with the default config, and the Events it records."""
+    events = Events()
+    return reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), events), events
+
+
+# Autoscaling between 1 and 5 replicas for an occupancy of 0.5.
+AUTOSCALING = {"enabled": True, "minReplicas": 1, "maxReplicas": 5, "target": 0.5}
 
 
 def _writes(cluster: KMockCluster) -> int:
     return len([r for r in cluster.requests() if str(getattr(r.method, "value", r.method)).upper() in WRITES])
 
 
-def test_reconcile_creates_then_writes_nothing(cluster, namespace, spans):
-    api = cluster.client()
-    events = Events()
-    r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), events)
-    body = _create(
-        cluster, api, inference_model("m", namespace, tpu={"accelerator": "tpu-v6e-slice", "topology": "2x2"})
-    )
+def test_reconcile_creates_then_writes_nothing(cluster, namespace, api, spans):
+    r, events = _reconciler(api)
+    body = _create(cluster, api, namespace, tpu={"accelerator": "tpu-v6e-slice", "topology": "2x2"})
     out = r.reconcile(body)
     assert [(a.kind, a.action) for a in out.applied] == [
         ("Deployment", "created"),
@@ -76,15 +84,9 @@ def test_reconcile_creates_then_writes_nothing(cluster, namespace, spans):
     assert finished[1].attributes["vsurge.reconcile.trigger"] == "timer"
 
 
-def test_invalid_spec_reports_once(cluster, namespace, spans):
-    api = cluster.client()
-    events = Events()
-    r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), events)
-    body = _create(
-        cluster,
-        api,
-        inference_model("m", namespace, engine={"maxLength": 512, "prefillLengths": [256, 1024]}),
-    )
+def test_invalid_spec_reports_once(cluster, namespace, api, spans):
+    r, events = _reconciler(api)
+    body = _create(cluster, api, namespace, engine={"maxLength": 512, "prefillLengths": [256, 1024]})
     out = r.reconcile(body)
     assert [e.field for e in out.errors] == ["spec.engine.prefillLengths"]
     assert events.reasons() == ["InvalidSpec"]
@@ -96,8 +98,7 @@ def test_invalid_spec_reports_once(cluster, namespace, spans):
     assert spans.get_finished_spans()[0].attributes["vsurge.reconcile.valid"] is False
 
 
-def test_foreign_object_is_never_taken_over(cluster, namespace):
-    api = cluster.client()
+def test_foreign_object_is_never_taken_over(cluster, namespace, api):
     api.create(
         kube.SERVICE,
         namespace,
@@ -108,18 +109,16 @@ def test_foreign_object_is_never_taken_over(cluster, namespace):
             "spec": {"ports": []},
         },
     )
-    r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), Events())
-    body = _create(cluster, api, inference_model("m", namespace))
+    r, _ = _reconciler(api)
+    body = _create(cluster, api, namespace)
     with pytest.raises(apply.OwnershipConflict):
         r.reconcile(body)
     assert cluster.obj("v1/services", namespace, "m")["spec"] == {"ports": []}
 
 
-def test_api_failure_is_recorded(cluster, namespace, spans):
-    api = cluster.client()
-    events = Events()
-    r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), events)
-    body = _create(cluster, api, inference_model("m", namespace))
+def test_api_failure_is_recorded(cluster, namespace, api, spans):
+    r, events = _reconciler(api)
+    body = _create(cluster, api, namespace)
     cluster.call(lambda: cluster.emulator.faults.append(Fault("POST", "deployments", 503)))
     with pytest.raises(kube.ApiException) as err:
         r.reconcile(body)
@@ -131,15 +130,9 @@ def test_api_failure_is_recorded(cluster, namespace, spans):
     assert spans.get_finished_spans()[0].status.status_code.name == "ERROR"
 
 
-def test_workload_kind_switch_removes_the_old_one(cluster, namespace):
-    api = cluster.client()
-    events = Events()
-    r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), events)
-    body = _create(
-        cluster,
-        api,
-        inference_model("m", namespace, tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x2"}),
-    )
+def test_workload_kind_switch_removes_the_old_one(cluster, namespace, api):
+    r, events = _reconciler(api)
+    body = _create(cluster, api, namespace, tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x2"})
     r.reconcile(body)
     assert cluster.obj("leaderworkerset.x-k8s.io/v1/leaderworkersets", namespace, "m")
     api.patch(kube.INFERENCE_MODEL, namespace, "m", {"spec": {"tpu": {"topology": "2x2x1"}}})
@@ -149,15 +142,10 @@ def test_workload_kind_switch_removes_the_old_one(cluster, namespace):
     assert cluster.obj("apps/v1/deployments", namespace, "m")
 
 
-def test_missing_leader_worker_set_api_is_explained(cluster, namespace):
+def test_missing_leader_worker_set_api_is_explained(cluster, namespace, api):
     cluster.call(lambda: cluster.emulator.faults.append(Fault("POST", "leaderworkersets", 404)))
-    api = cluster.client()
-    r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig(), Events())
-    body = _create(
-        cluster,
-        api,
-        inference_model("m", namespace, tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x2"}),
-    )
+    r, _ = _reconciler(api)
+    body = _create(cluster, api, namespace, tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x2"})
     with pytest.raises(reconcile.MissingApi, match="install LWS"):
         r.reconcile(body)
 
@@ -184,19 +172,9 @@ def _add_pod(api: kube.Kube, m: spec.ModelSpec, name: str, port: int) -> None:
     )
 
 
-def test_autoscaler_step_scales_through_the_scale_subresource(cluster, namespace, spans):
-    api = cluster.client()
+def test_autoscaler_step_scales_through_the_scale_subresource(cluster, namespace, api, spans):
     events = Events()
-    body = _create(
-        cluster,
-        api,
-        inference_model(
-            "m",
-            namespace,
-            replicas=2,
-            autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 5, "target": 0.5},
-        ),
-    )
+    body = _create(cluster, api, namespace, replicas=2, autoscaling=AUTOSCALING)
     m = spec.parse(body)
     board = MetricsBoard(occupancy=0.9, queue=1)
     servers = [PodMetricsServer(board, m.served_name, f"m-{i}") for i in range(2)]
@@ -237,18 +215,8 @@ def test_autoscaler_step_scales_through_the_scale_subresource(cluster, namespace
     assert scaler.history.events == ((1000.0, 2),)
 
 
-def test_autoscaler_keeps_history_consistent_when_scaling_fails(cluster, namespace):
-    api = cluster.client()
-    body = _create(
-        cluster,
-        api,
-        inference_model(
-            "m",
-            namespace,
-            replicas=1,
-            autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 5, "target": 0.5},
-        ),
-    )
+def test_autoscaler_keeps_history_consistent_when_scaling_fails(cluster, namespace, api):
+    body = _create(cluster, api, namespace, replicas=1, autoscaling=AUTOSCALING)
     m = spec.parse(body)
     board = MetricsBoard(occupancy=1.0)
     server = PodMetricsServer(board, m.served_name, "m-0")
@@ -267,9 +235,8 @@ def test_autoscaler_keeps_history_consistent_when_scaling_fails(cluster, namespa
         server.close()
 
 
-def test_autoscaler_ignores_models_without_autoscaling(cluster, namespace):
-    api = cluster.client()
-    body = _create(cluster, api, inference_model("m", namespace, replicas=3))
+def test_autoscaler_ignores_models_without_autoscaling(cluster, namespace, api):
+    body = _create(cluster, api, namespace, replicas=3)
     scaler = scaling.ModelAutoscaler(kube.Kube(api.api), OperatorConfig(), Events())
     assert asyncio.run(scaler.step(body)) is None
     assert not cluster.requests(plural="pods")

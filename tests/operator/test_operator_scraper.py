@@ -8,7 +8,8 @@ import threading
 from typing import Any
 
 import pytest
-from operator_harness import MetricsBoard, PodMetricsServer, free_port
+from kmock_harness import free_port
+from operator_harness import MetricsBoard, PodMetricsServer
 
 from vsurge_operator import scraper
 from vsurge_operator.autoscaler import PodSample

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
+from operator_harness import DELETE, issue_example, with_field
 
 from vsurge_operator import validation
+
+_EXAMPLE = issue_example()
 
 
 def body(**spec: Any) -> dict[str, Any]:
@@ -20,18 +22,9 @@ VALID = [
     body(),
     body(model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct", "servedName": "llama-3.1-8b"}),
     body(model={"source": "pvc://weights/llama/8b"}, tpu={"accelerator": "tpu-v6e-slice", "topology": "2x4"}),
-    body(
-        engine={
-            "driver": "odriver",
-            "maxConcurrentDecodes": 64,
-            "maxLength": 4096,
-            "prefillLengths": [256, 1024, 4096],
-            "pageSize": 128,
-            "hbmUtilization": 0.85,
-            "dtype": "bfloat16",
-            "mesh": "dp=2,tp=4",
-        },
-        tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"},
+    body(  # the issue's example engine and slice, with an explicit mesh
+        engine={**_EXAMPLE["engine"], "mesh": "dp=2,tp=4"},
+        tpu=_EXAMPLE["tpu"],
         replicas=2,
         autoscaling={"enabled": True, "minReplicas": 0, "maxReplicas": 8, "target": 0.7},
         tracing={"endpoint": "http://otel-collector:4317", "samplingRatio": 0.1},
@@ -52,16 +45,7 @@ def test_valid_specs_have_no_errors(b):
 
 def _with(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """Copy of a valid body with ``path`` (dotted, under the body) set; None deletes it."""
-    b = copy.deepcopy(base or body())
-    *parents, leaf = path.split(".")
-    node = b
-    for p in parents:
-        node = node.setdefault(p, {})
-    if value is None:
-        node.pop(leaf, None)
-    else:
-        node[leaf] = value
-    return b
+    return with_field(base or body(), path, DELETE if value is None else value)
 
 
 TPU = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"}

@@ -76,7 +76,7 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """KMock on loopback with the operator suite's gap fixes, and the namespace `models`."""
     import kmock
     from kmock._internal import parsing
-    from operator_harness import KMockCluster, StampingEmulator, fixed_parse_path
+    from kmock_harness import KMockCluster, StampingEmulator, fixed_parse_path
 
     monkeypatch.setattr(parsing, "parse_path", fixed_parse_path)
 

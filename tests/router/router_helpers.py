@@ -2,9 +2,10 @@
 
 Everything listens on 127.0.0.1. Upstreams and in-process routers are real uvicorn servers, each on its
 own thread and event loop, so requests cross real sockets (streaming, refused connections and
-disconnects behave as in production). The KMock pieces come from the operator suite's harness, which
-already covers KMock 0.8's gaps (uid/resourceVersion stamping, declared resources including
-inferencemodels with their scale subresource, namespaces, the /api/v1/namespaces path parser).
+disconnects behave as in production). KMock, child processes and polling come from tests/kmock_harness.py,
+shared with the operator suite, which already covers KMock 0.8's gaps (uid/resourceVersion stamping,
+declared resources including inferencemodels with their scale subresource, namespaces, the
+/api/v1/namespaces path parser).
 """
 
 from __future__ import annotations
@@ -12,12 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,28 +28,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 REPO = Path(__file__).resolve().parents[2]
-for extra in (REPO / "tests" / "operator", REPO / "tests" / "service", REPO / "operator"):
+# tests/ holds kmock_harness (shared with the operator suite), tests/service the tiny checkpoints, operator/
+# the operator's kube module that the harness's KMock client uses.
+for extra in (REPO / "tests", REPO / "tests" / "service", REPO / "operator"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import kmock_harness  # noqa: E402
 
 
 def wait_for(
     predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = ""
 ) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+    """kmock_harness.wait_for at this suite's pace (10 s, polled every 20 ms), failing with "waiting for what"."""
+    return kmock_harness.wait_for(predicate, timeout, interval, message=f"waiting for {what}")
 
 
 # ------------------------------------------------------------------------------------------ uvicorn
@@ -242,15 +231,6 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def kube_api_client(cluster: Any) -> Any:
-    """An ApiClient for the router pointed at KMock (what a kubeconfig would give it)."""
-    import kubernetes
-
-    configuration = kubernetes.client.Configuration()
-    configuration.host = cluster.url
-    return kubernetes.client.ApiClient(configuration)
-
-
 def inference_model(
     name: str,
     namespace: str = "models",
@@ -299,58 +279,3 @@ def clean_env(**extra: str) -> dict[str, str]:
     }
     env.update(extra)
     return env
-
-
-class Process:
-    """A child process logged to a file, stopped with SIGTERM (then SIGKILL) by `stop()`."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
-        self.args = args
-        self.log_path = log_path
-        self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Process:
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.args, env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
-        )
-        return self
-
-    def wait_http(self, url: str, timeout: float) -> None:
-        """Until GET `url` answers 200; fails early, with the log, if the process dies."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.args[:3]} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"{url} not ready in {timeout}s:\n{self.log()}")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-20000:]
-        except OSError:
-            return ""

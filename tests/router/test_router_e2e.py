@@ -14,16 +14,17 @@ import httpx
 import openai
 import pytest
 import yaml
-from router_helpers import Process, clean_env, free_port, metric_value, vsurge_command
+from kmock_harness import LoggedProcess, free_port
+from router_helpers import clean_env, metric_value, vsurge_command
 
 ENGINE_FLAGS = ["--max-length=64", "--prefill-lengths=16,32", "--max-concurrent-decodes=4"]
 
 
 @dataclass
 class Stack:
-    router: Process
+    router: LoggedProcess
     router_url: str
-    servers: dict[str, tuple[Process, str]]  # name -> (process, base URL)
+    servers: dict[str, tuple[LoggedProcess, str]]  # name -> (process, base URL)
 
     def client(self) -> openai.OpenAI:
         # No client retries: every retry seen here is the router's.
@@ -43,8 +44,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = clean_env(JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one CPU device per server, not the suite's eight fake ones
     plan = {"alpha-1": "alpha", "alpha-2": "alpha", "beta-1": "beta"}
-    servers: dict[str, tuple[Process, str]] = {}
-    router: Process | None = None
+    servers: dict[str, tuple[LoggedProcess, str]] = {}
+    router: LoggedProcess | None = None
     try:
         for name, model in plan.items():
             port = free_port()
@@ -58,7 +59,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "--metrics-port=-1",
                 *ENGINE_FLAGS,
             ]
-            servers[name] = (Process(args, root / f"{name}.log", env).start(), f"http://127.0.0.1:{port}")
+            servers[name] = (
+                LoggedProcess(args, root / f"{name}.log", env).start(),
+                f"http://127.0.0.1:{port}",
+            )
         for proc, url in servers.values():
             proc.wait_http(f"{url}/readiness", timeout=180)
         config = root / "static.yaml"
@@ -73,7 +77,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             )
         )
         port = free_port()
-        router = Process(
+        router = LoggedProcess(
             [
                 *vsurge_command(),
                 "route",

@@ -13,16 +13,8 @@ from pathlib import Path
 
 import httpx
 import openai
-from router_helpers import (
-    Process,
-    clean_env,
-    free_port,
-    inference_model,
-    kube_api_client,
-    metric_value,
-    vsurge_command,
-    wait_for,
-)
+from kmock_harness import Fault, LoggedProcess, free_port
+from router_helpers import clean_env, inference_model, metric_value, vsurge_command, wait_for
 
 IM = "vsurge.io/v1alpha1/inferencemodels"
 
@@ -45,7 +37,7 @@ def test_discovery_follows_inference_models_in_every_namespace(cluster, upstream
     a, b = upstreams("a"), upstreams("b")
     api = cluster.client()
     api.create(_resource(), "models", inference_model("llama", served="llama-chat", ready=1, endpoint=a.url))
-    router = start_router(api_client=kube_api_client(cluster), kubernetes=True)
+    router = start_router(api_client=cluster.api_client(), kubernetes=True)
     wait_for(lambda: httpx.get(f"{router.url}/readiness", timeout=5).status_code == 200, what="router ready")
     assert _model_ids(router.url) == {"llama-chat": True}
     r = httpx.post(f"{router.url}/v1/chat/completions", json=_chat("llama-chat"), timeout=10)
@@ -79,7 +71,7 @@ def test_scale_from_zero_wakes_the_model_and_answers(cluster, upstreams, tmp_pat
     api.create(_resource(), "models", inference_model("sleepy", replicas=0))
     port = free_port()
     kubeconfig = cluster.write_kubeconfig(tmp_path / "kubeconfig")
-    router = Process(
+    router = LoggedProcess(
         [
             *vsurge_command(),
             "route",
@@ -147,7 +139,7 @@ def test_scale_from_zero_times_out_with_503_and_retry_after(cluster, start_route
     api = cluster.client()
     api.create(_resource(), "models", inference_model("sleepy", replicas=0))
     router = start_router(
-        api_client=kube_api_client(cluster),
+        api_client=cluster.api_client(),
         kubernetes=True,
         namespaces=("models",),
         wake_timeout_seconds=1.0,
@@ -175,13 +167,11 @@ def test_scale_from_zero_times_out_with_503_and_retry_after(cluster, start_route
 
 
 def test_a_refused_scale_patch_fails_fast(cluster, start_router) -> None:
-    from operator_harness import Fault
-
     api = cluster.client()
     api.create(_resource(), "models", inference_model("sleepy", replicas=0))
     cluster.emulator.faults.append(Fault("PATCH", "inferencemodels", 403, times=1, subresource="scale"))
     router = start_router(
-        api_client=kube_api_client(cluster), kubernetes=True, namespaces=("models",), wake_timeout_seconds=30
+        api_client=cluster.api_client(), kubernetes=True, namespaces=("models",), wake_timeout_seconds=30
     )
     wait_for(lambda: httpx.get(f"{router.url}/readiness", timeout=5).status_code == 200, what="router ready")
     started = time.monotonic()

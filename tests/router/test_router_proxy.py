@@ -8,7 +8,8 @@ import time
 
 import httpx
 import pytest
-from router_helpers import free_port, metric_value, wait_for
+from kmock_harness import free_port
+from router_helpers import metric_value, wait_for
 
 
 def _chat(model: str, **extra: object) -> dict:
