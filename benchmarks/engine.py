@@ -111,14 +111,19 @@ def raw_decode_loop(model, batch: int, prompt_len: int, steps: int) -> float:
         (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)
     )
     tokens = jnp.ones((batch,), jnp.int32)
-    pos = jnp.full((batch,), prompt_len, jnp.int32)
-    caches, tokens, pos = step(params, caches, tokens, pos)  # compile
-    tokens.block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(steps - 1):
-        caches, tokens, pos = step(params, caches, tokens, pos)
-    tokens.block_until_ready()
-    return batch * (steps - 1) / (time.perf_counter() - t0)
+    best = 0.0
+    # best of two passes: the first steps after a compile run measurably slower on XLA:CPU, and this
+    # loop is the limit the engine is held to, so it gets every chance
+    for _ in range(2):
+        pos = jnp.full((batch,), prompt_len, jnp.int32)
+        caches, tokens, pos = step(params, caches, tokens, pos)  # compiles on the first pass
+        tokens.block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(steps - 1):
+            caches, tokens, pos = step(params, caches, tokens, pos)
+        tokens.block_until_ready()
+        best = max(best, batch * (steps - 1) / (time.perf_counter() - t0))
+    return best
 
 
 def raw_prefill_seconds(model, batch: int, prompt_len: int) -> float:
@@ -143,9 +148,12 @@ def raw_prefill_seconds(model, batch: int, prompt_len: int) -> float:
 
     tokens = jnp.ones((batch, prompt_len), jnp.int32)
     jax.block_until_ready(prefill(params, tokens))  # compile
-    t0 = time.perf_counter()
-    jax.block_until_ready(prefill(params, tokens))
-    return time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        jax.block_until_ready(prefill(params, tokens))
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def hf_model(gguf_path: str):

@@ -146,6 +146,14 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "N",
     ),
     Option(
+        "--max-concurrent-prefill",
+        "VSURGE_MAX_CONCURRENT_PREFILL",
+        _positive_int,
+        None,
+        "prompts one prefill call may pack together (vdriver)",
+        "N",
+    ),
+    Option(
         "--max-length",
         "VSURGE_MAX_LENGTH",
         _positive_int,
@@ -238,6 +246,7 @@ class ServeConfig:
     served_model_name: str | None = None
     driver: str = "vdriver"
     max_concurrent_decodes: int | None = None
+    max_concurrent_prefill: int | None = None
     max_length: int | None = None
     prefill_lengths: list[int] | None = None
     page_size: int = 128
@@ -326,7 +335,9 @@ def build_surge(cfg: ServeConfig, model: Any, processor: Any, mesh: Any = None) 
         return vSurge.create_odriver(
             model, processor, page_size=cfg.page_size, hbm_utilization=cfg.hbm_utilization, **common
         )
-    return vSurge.create_vdriver(model, processor, **common)
+    return vSurge.create_vdriver(
+        model, processor, max_concurrent_prefill=cfg.max_concurrent_prefill, **common
+    )
 
 
 def _enable_compilation_cache() -> None:

@@ -24,6 +24,7 @@ def test_every_option_reads_its_env_var():
         "VSURGE_SERVED_MODEL_NAME": "llama",
         "VSURGE_DRIVER": "odriver",
         "VSURGE_MAX_CONCURRENT_DECODES": "16",
+        "VSURGE_MAX_CONCURRENT_PREFILL": "4",
         "VSURGE_MAX_LENGTH": "4096",
         "VSURGE_PREFILL_LENGTHS": "512, 128,256",
         "VSURGE_PAGE_SIZE": "64",
@@ -40,6 +41,7 @@ def test_every_option_reads_its_env_var():
     cfg = parse_serve_config([], env)
     assert (cfg.model, cfg.served_model_name, cfg.driver) == ("/models/llama/", "llama", "odriver")
     assert (cfg.max_concurrent_decodes, cfg.max_length, cfg.prefill_lengths) == (16, 4096, [128, 256, 512])
+    assert cfg.max_concurrent_prefill == 4
     assert (cfg.page_size, cfg.hbm_utilization, cfg.mesh, cfg.dtype) == (64, 0.8, "tp=4", "bfloat16")
     assert (cfg.host, cfg.port, cfg.resolved_metrics_port) == ("127.0.0.1", 9000, -1)
     assert (cfg.api_key, cfg.ssl_keyfile, cfg.ssl_certfile) == ("sekrit", "k.pem", "c.pem")
@@ -116,3 +118,23 @@ def test_tracing_is_off_unless_configured():
         provider.shutdown()
     with pytest.raises(RuntimeError, match="unknown exporter"):
         provider_from_env({"OTEL_TRACES_EXPORTER": "zipkin2"})
+
+
+@pytest.mark.parametrize("driver", ["vdriver", "odriver"])
+def test_engine_options_reach_the_engine(tiny_dir, driver):
+    import vsurge
+    from vsurge.cli import build_surge
+
+    flags = [
+        "--driver",
+        driver,
+        "--max-concurrent-decodes=3",
+        "--max-concurrent-prefill=5",
+        "--max-length=96",
+    ]
+    cfg = parse_serve_config([*flags, "--prefill-lengths=16,32", "--page-size=16"], {})
+    engine = build_surge(cfg, *vsurge.load_model(tiny_dir)).driver.engines[0]
+    assert engine.max_concurrent_decodes == 3
+    if driver == "vdriver":  # the paged engine schedules prefill chunks its own way
+        assert engine.max_concurrent_prefill == 5
+    assert (engine.max_length, engine.prefill_lengths) == (96, [16, 32])

@@ -102,6 +102,7 @@ class EngineBase:
         batch_size: int | None,
         seed: int,
         num_top_logprobs: int,
+        smallest_rows: int = 4,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -116,7 +117,7 @@ class EngineBase:
         self.prng_key = jax.random.PRNGKey(seed)
         self.graphdef, params = nnx.split(model)
         self.params = place_params(params, self.config, mesh) if mesh is not None else params
-        self.decode_rows = row_buckets(self.max_concurrent_decodes)
+        self.decode_rows = row_buckets(self.max_concurrent_decodes, smallest_rows)
         self.logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
 
     def _samplers(self, shardings: Any) -> dict[int, Any]:
