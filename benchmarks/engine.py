@@ -9,7 +9,9 @@ Output tokens/s for each concurrency:
   raw     the raw loop that produces the same tokens from the same prompts: one jitted prefill of the
           whole batch, then the decode loop above: the limit of this machine for this work and our model
           code, and the reference of the 90% target;
-  vsurge  requests submitted together to vSurge (prefill, on-device sampling, detokenization included);
+  vsurge  requests submitted together to vSurge and streamed through `vSurge.complete` on one asyncio
+          loop, as the server does (prefill, on-device sampling, scheduling included); best of two passes
+          like the raw loop;
   hf      transformers `generate` (PyTorch, CPU, greedy) on the same weights and batch.
 Mixed workload: 64 requests, prompts 32-512 tokens, outputs 16-256 tokens, at most 32 in flight; transformers
 runs them in batches of 32 (left padded, each batch as long as its longest output).
@@ -21,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -47,39 +48,38 @@ def build_surge(model, tok, args, driver: str = "vdriver"):
 
 
 def run_requests(surge, prompts, outputs, max_in_flight: int) -> tuple[float, int, list[float]]:
-    """Submit with at most max_in_flight running; returns (seconds, generated tokens, ttfts)."""
+    """Stream every request through `vSurge.complete` on one asyncio loop (as the server does), at most
+    max_in_flight at once; returns (seconds, generated tokens, ttfts)."""
+    import asyncio
+
     from vsurge.request import vSurgeRequest
 
-    sem = threading.Semaphore(max_in_flight)
     counts = [0] * len(prompts)
     ttft = [0.0] * len(prompts)
-    threads = []
 
-    def consume(i, active):
-        try:
-            for items in active.channel:
+    async def one(i, p, n, sem):
+        async with sem:
+            req = vSurgeRequest(
+                prompt=list(p),
+                max_tokens=int(n),
+                temperature=0.0,
+                ignore_eos=True,
+                is_client_side_tokenization=True,
+            )
+            async for items in surge.complete(req):
                 for s in items:
                     counts[i] += len(s.token_ids)
                     if s.time_to_first_token is not None:
                         ttft[i] = s.time_to_first_token
-        finally:
-            sem.release()
+
+    async def run():
+        sem = asyncio.Semaphore(max_in_flight)
+        await asyncio.gather(
+            *(one(i, p, n, sem) for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)))
+        )
 
     t0 = time.perf_counter()
-    for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)):
-        sem.acquire()
-        req = vSurgeRequest(
-            prompt=list(p),
-            max_tokens=int(n),
-            temperature=0.0,
-            ignore_eos=True,
-            is_client_side_tokenization=True,
-        )
-        th = threading.Thread(target=consume, args=(i, surge.submit(req)))
-        th.start()
-        threads.append(th)
-    for th in threads:
-        th.join()
+    asyncio.run(run())
     return time.perf_counter() - t0, sum(counts), ttft
 
 
@@ -239,8 +239,10 @@ def main(argv=None) -> int:
         decode_s = b * (args.output_tokens - 1) / row["decode"]  # the first token comes from prefill
         row["raw"] = b * args.output_tokens / (decode_s + raw_prefill_seconds(model, b, args.prompt_tokens))
         for d, s in surges.items():
-            secs, toks, _ = run_requests(s, prompts, outs, b)
-            row[d] = toks / secs
+            # best of two passes, as the raw loop: a program's first runs are slower on XLA:CPU
+            row[d] = max(
+                toks / secs for secs, toks, _ in (run_requests(s, prompts, outs, b) for _ in range(2))
+            )
         if hf is not None:
             secs, toks = hf_generate(hf, prompts, outs, b)
             row["hf"] = toks / secs

@@ -391,3 +391,37 @@ def test_no_compilation_on_live_requests(tiny):
         finally:
             s.stop()
     assert not compiled, compiled
+
+
+def test_prompts_are_prefilled_before_decode_resumes(tiny):
+    # Prefill priority: while a burst's prompts are on their way to free slots, decode waits (up to
+    # max_decode_stall), so the first decode step already runs every request of the burst.
+    model, tok = tiny
+    s = vSurge.create_vdriver(
+        model, tok, max_concurrent_decodes=8, prefill_lengths=BUCKETS, max_length=MAX_LEN
+    )
+    s.driver.max_decode_stall = 30.0
+    engine = s.driver.engines[0]
+    engine.max_concurrent_prefill = 1  # one prompt per prefill call: the burst takes six calls
+    s.compile()
+    gate, live_at_step = threading.Event(), []
+    real_prefill, real_decode = engine.prefill_many, engine.decode
+
+    def gated_prefill(*a, **kw):
+        gate.wait(10)  # the whole burst is queued before the first prompt is prefilled
+        return real_prefill(*a, **kw)
+
+    def counting_decode(state):
+        live_at_step.append(int(engine._active.sum()))
+        return real_decode(state)
+
+    engine.prefill_many, engine.decode = gated_prefill, counting_decode
+    s.start()
+    try:
+        actives = [s.submit(ids_request([3 + i] * (10 + i), 3)) for i in range(6)]
+        gate.set()
+        got = [[t for items in a.channel for x in items for t in x.token_ids] for a in actives]
+    finally:
+        s.stop()
+    assert [len(g) for g in got] == [3] * 6
+    assert live_at_step[0] == 6, live_at_step

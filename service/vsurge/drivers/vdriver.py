@@ -68,6 +68,7 @@ class vDriver:  # noqa: N801 - the seed's name
         interleaved_mode: bool = False,
         detokenizing_blocks: int = 8,
         max_queue_size: int = 1024,
+        max_decode_stall: float = 0.25,
     ):
         self._prefill_engines = _as_list(prefill_engines)
         self._decode_engines = _as_list(decode_engines) or list(self._prefill_engines)
@@ -86,6 +87,12 @@ class vDriver:  # noqa: N801 - the seed's name
         self._threads: list[threading.Thread] = []
         self._live = False
         self._may_prefill = threading.Event()  # interleaved mode: set by the generate thread once per step
+        # Prompts first: while prompts are being prefilled for free slots, decode waits up to this long
+        # (seconds) between steps. Prefill and decode share the device, so running them side by side only
+        # slows both; letting the prompts in first means the batch decodes together, full. 0 disables.
+        self.max_decode_stall = max_decode_stall
+        self._in_pipeline = 0  # requests submitted and not yet on a lane's backlog (nor ended)
+        self._pipeline_lock = threading.Lock()
         self._rr = 0
 
     # ------------------------------------------------------------------ seed API
@@ -128,9 +135,13 @@ class vDriver:  # noqa: N801 - the seed's name
             raise RuntimeError("driver is not running; call start() first")
         if request.params.n > self._lanes[0].engine.max_concurrent_decodes:
             raise ValueError(f"n={request.params.n} exceeds max_concurrent_decodes")
+        with self._pipeline_lock:
+            request._in_pipeline = True
+            self._in_pipeline += 1
         try:
             self._prefill_q.put_nowait(request)
         except queue.Full:
+            self._left_pipeline(request)
             raise QueueFullError(
                 f"prefill queue is full ({self._prefill_q.maxsize} requests waiting)"
             ) from None
@@ -213,6 +224,7 @@ class vDriver:  # noqa: N801 - the seed's name
             return True
 
     def _finish(self, req: ActiveRequest, reason: str) -> None:
+        self._left_pipeline(req)
         if not self._finalize(req):
             return
         req.finish_all(reason)
@@ -223,6 +235,7 @@ class vDriver:  # noqa: N801 - the seed's name
         req.channel.close()
 
     def _fail(self, req: ActiveRequest, reason: str) -> None:
+        self._left_pipeline(req)
         log.warning("request %s failed: %s", req.id, reason)
         if not self._finalize(req):
             return
@@ -263,36 +276,44 @@ class vDriver:  # noqa: N801 - the seed's name
         return batch, carry
 
     def _prefill_loop(self, engine: vEngine) -> None:
-        carry = None
+        carry, batch = None, []
         while self._live:
             batch, carry = self._take_batch(engine, carry)
             if not batch:
                 continue
-            if self.interleaved_mode:
-                # one prefill per decode step keeps token latency steady
-                while self._live and not self._may_prefill.wait(timeout=0.1):
-                    pass
-                self._may_prefill.clear()
-                if not self._live:
-                    break
-            now = time.time()
-            for req in batch:
-                req.metadata.prefill_started_at = now
-            try:
-                prefix = engine.prefill_many(
-                    [r.prompt_ids for r in batch],
-                    [r.params for r in batch],
-                    [sorted(r.stop_ids) for r in batch],
-                )
-            except Exception as e:
-                for req in batch:
-                    self._fail(req, f"prefill failed: {e}")
-                continue
-            if not self._put_blocking(self._transfer_q, (batch, engine, prefix)):
-                break  # stopping: the hand-off never happened
+            handed_off = self._prefill_batch(engine, batch)
+            if not handed_off:
+                break
             batch = []
         for req in batch + ([carry] if carry is not None else []):
             self._finish(req, "abort")
+
+    def _prefill_batch(self, engine: vEngine, batch: list[ActiveRequest]) -> bool:
+        """Prefill one pack and hand it to the transfer thread; False when stopping (the batch is not
+        handed off and the caller aborts it)."""
+        if self.interleaved_mode:
+            # one prefill per decode step keeps token latency steady
+            while self._live and not self._may_prefill.wait(timeout=0.1):
+                pass
+            self._may_prefill.clear()
+            if not self._live:
+                return False
+        now = time.time()
+        for req in batch:
+            req.metadata.prefill_started_at = now
+        try:
+            prefix = engine.prefill_many(
+                [r.prompt_ids for r in batch],
+                [r.params for r in batch],
+                [sorted(r.stop_ids) for r in batch],
+            )
+        except Exception as e:
+            for req in batch:
+                self._fail(req, f"prefill failed: {e}")
+            batch.clear()  # failed, not aborted
+            return True
+        # stopping: the hand-off never happened
+        return self._put_blocking(self._transfer_q, (batch, engine, prefix))
 
     def _put_blocking(self, q: queue.Queue, item) -> bool:
         while self._live:
@@ -309,20 +330,32 @@ class vDriver:  # noqa: N801 - the seed's name
                 batch, src, prefix = self._transfer_q.get(timeout=0.1)
             except queue.Empty:
                 continue
-            lane = max(self._lanes, key=lambda ln: len(ln.free) - ln.backlog.qsize())
-            try:
-                if lane.engine is not src:
-                    prefix = jax.device_put(prefix, lane.engine.get_prefix_destination_sharding())
-                jax.block_until_ready(prefix.hidden)
-            except Exception as e:
-                for req in batch:
-                    self._fail(req, f"transfer failed: {e}")
-                continue
-            now = time.time()
-            for j, req in enumerate(batch):
-                req.metadata.prefill_done_at = now
-                if not self._put_blocking(lane.backlog, (req, prefix, j)):
-                    self._finish(req, "abort")
+            self._transfer(batch, src, prefix)
+
+    def _transfer(self, batch: list[ActiveRequest], src: vEngine, prefix) -> None:
+        lane = max(self._lanes, key=lambda ln: len(ln.free) - ln.backlog.qsize())
+        try:
+            if lane.engine is not src:
+                prefix = jax.device_put(prefix, lane.engine.get_prefix_destination_sharding())
+            jax.block_until_ready(prefix.hidden)
+        except Exception as e:
+            for req in batch:
+                self._fail(req, f"transfer failed: {e}")
+            return
+        now = time.time()
+        for j, req in enumerate(batch):
+            req.metadata.prefill_done_at = now
+            if self._put_blocking(lane.backlog, (req, prefix, j)):
+                self._left_pipeline(req)
+            else:
+                self._finish(req, "abort")
+
+    def _left_pipeline(self, req: ActiveRequest) -> None:
+        """The request reached a lane or ended: decode no longer waits for it (once per request)."""
+        with self._pipeline_lock:
+            if getattr(req, "_in_pipeline", False):
+                req._in_pipeline = False
+                self._in_pipeline -= 1
 
     def _release(self, lane: _DecodeLane, slot: int) -> None:
         lane.owners[slot] = None
@@ -333,6 +366,7 @@ class vDriver:  # noqa: N801 - the seed's name
         engine = lane.engine
         state = engine.init_decode_state()
         pending = None  # (device SampleResult, owners snapshot) of the step in flight
+        last_step = time.monotonic()
         while self._live:
             # slots handed back by the detokenizer, and slots of cancelled requests
             while True:
@@ -374,16 +408,19 @@ class vDriver:  # noqa: N801 - the seed's name
                     lane.owners[slot] = (req, i)
                     req.samples[i].slot = slot
                     self._lane_put(lane, ("first", req, i, slot, first))
-            if all(o is None for o in lane.owners):
+            idle = all(o is None for o in lane.owners)
+            stall = 0.0 if idle else self._decode_stall(lane, last_step)
+            if idle or stall > 0:
                 self._may_prefill.set()
                 if pending is not None:
                     self._lane_put(lane, ("step", *pending))
                     pending = None
                 try:
-                    lane.waiting.append(lane.backlog.get(timeout=0.05))
+                    lane.waiting.append(lane.backlog.get(timeout=0.05 if idle else stall))
                 except queue.Empty:
                     pass
                 continue
+            last_step = time.monotonic()
             try:
                 state, out = engine.decode(state)
             except Exception as e:  # a device failure takes every running request with it, not the driver
@@ -406,6 +443,18 @@ class vDriver:  # noqa: N801 - the seed's name
         for owner in {o[0] for o in lane.owners if o is not None}:
             if not owner.done:
                 self._finish(owner, "abort")
+
+    def _decode_stall(self, lane: _DecodeLane, last_step: float) -> float:
+        """Seconds the next decode step should wait for prompts still being prefilled (0: decode now).
+
+        Only while this lane has free slots for them, prompts are on their way (queued, prefilling or in
+        transfer), and the running requests have not already waited max_decode_stall since their last
+        step. Not in interleaved mode, where prefill itself waits for decode steps."""
+        if self.interleaved_mode or self.max_decode_stall <= 0 or not lane.free or lane.waiting:
+            return 0.0
+        if not (self._in_pipeline or lane.backlog.qsize()):  # landed since the admission pass: admit first
+            return 0.0
+        return max(0.0, self.max_decode_stall - (time.monotonic() - last_step))
 
     def _lane_put(self, lane: _DecodeLane, item, force: bool = False) -> None:
         if force:
