@@ -7,6 +7,9 @@ import logging
 from collections.abc import Iterator
 
 import jax
+import numpy as np
+
+from vsurge.request import vSurgeRequest
 
 
 class _Compiles(logging.Handler):
@@ -31,3 +34,35 @@ def compilations() -> Iterator[list[str]]:
     finally:
         jax.config.update("jax_log_compiles", False)
         log.removeHandler(handler)
+
+
+def live_mix(seed: int = 5) -> list[vSurgeRequest]:
+    """Requests that reach every program: lone and packed prompts of each bucket, n > 1, seeded sampling
+    with logprobs, top_k with penalties."""
+    rng = np.random.RandomState(seed)
+    greedy = dict(temperature=0.0, ignore_eos=True, is_client_side_tokenization=True)
+    reqs = [
+        vSurgeRequest(prompt=list(rng.randint(3, 300, size=n)), max_tokens=5, **greedy)
+        for n in (3, 9, 40, 60, 2, 17)
+    ]
+    sampled = dict(greedy, temperature=0.8, seed=3, n=2, logprobs=True, top_logprobs=3)
+    reqs.append(vSurgeRequest(prompt=[5, 6, 7], max_tokens=6, **sampled))
+    reqs.append(
+        vSurgeRequest(
+            prompt=[9, 8], max_tokens=4, top_k=5, repetition_penalty=1.3, presence_penalty=0.5, **greedy
+        )
+    )
+    return reqs
+
+
+def compiled_while_serving(surge) -> list[str]:
+    """Start a compiled vSurge, serve `live_mix()` to the end, stop it; returns what was compiled meanwhile."""
+    with compilations() as compiled:
+        surge.start()
+        try:
+            actives = [surge.submit(r) for r in live_mix()]
+            for a in actives:
+                assert sum(len(x.token_ids) for items in a.channel for x in items) > 0
+        finally:
+            surge.stop()
+    return compiled

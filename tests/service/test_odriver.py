@@ -313,8 +313,7 @@ def test_pages_sharded_over_kv_heads_on_a_mesh(tiny):
 
 
 def test_no_compilation_on_live_requests(tiny_checkpoint):
-    from jit_watch import compilations
-    from test_vsurge import live_mix
+    from jit_watch import compiled_while_serving
 
     # a model of its own: the module's `tiny` may have been placed on a mesh by an earlier test
     model, tok = vsurge.load_model(tiny_checkpoint("llama", heads=8, kv_heads=4)[0])
@@ -323,12 +322,5 @@ def test_no_compilation_on_live_requests(tiny_checkpoint):
         model, tok, page_size=8, kv_cache_bytes=65 * per_page, max_concurrent_decodes=4, **SMALL
     )
     s.compile()
-    with compilations() as compiled:
-        s.start()
-        try:
-            actives = [s.submit(r) for r in live_mix(np.random.RandomState(5))]
-            for a in actives:
-                assert sum(len(x.token_ids) for items in a.channel for x in items) > 0
-        finally:
-            s.stop()
+    compiled = compiled_while_serving(s)
     assert not compiled, compiled

@@ -365,31 +365,15 @@ def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
     assert s.driver.num_used_slots == 0
 
 
-def live_mix(rng) -> list[vSurgeRequest]:
-    """Requests that reach every program: lone and packed prompts of each bucket, n > 1, seeded sampling
-    with logprobs, top_k with penalties."""
-    reqs = [ids_request(list(rng.randint(3, 300, size=n)), 5) for n in (3, 9, 40, 60, 2, 17)]
-    reqs.append(ids_request([5, 6, 7], 6, temperature=0.8, seed=3, n=2, logprobs=True, top_logprobs=3))
-    reqs.append(ids_request([9, 8], 4, top_k=5, repetition_penalty=1.3, presence_penalty=0.5))
-    return reqs
-
-
 def test_no_compilation_on_live_requests(tiny):
-    from jit_watch import compilations
+    from jit_watch import compiled_while_serving
 
     model, tok = tiny
     s = vSurge.create_vdriver(
         model, tok, max_concurrent_decodes=4, prefill_lengths=BUCKETS, max_length=MAX_LEN
     )
     s.compile()
-    with compilations() as compiled:
-        s.start()
-        try:
-            actives = [s.submit(r) for r in live_mix(np.random.RandomState(5))]
-            for a in actives:
-                assert sum(len(x.token_ids) for items in a.channel for x in items) > 0
-        finally:
-            s.stop()
+    compiled = compiled_while_serving(s)
     assert not compiled, compiled
 
 
