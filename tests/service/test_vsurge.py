@@ -403,6 +403,10 @@ def test_prompts_are_prefilled_before_decode_resumes(tiny):
     s.start()
     try:
         actives = [s.submit(ids_request([3 + i] * (10 + i), 3)) for i in range(6)]
+        deadline = time.time() + 5
+        while s.driver._prefill_q.qsize() > 5 and time.time() < deadline:
+            time.sleep(0.005)  # the prefill thread holds the first prompt, gated
+        assert s.metrics().requests_waiting == 6  # the one in the prefill thread's hands counts too
         gate.set()
         got = [[t for items in a.channel for x in items for t in x.token_ids] for a in actives]
     finally:

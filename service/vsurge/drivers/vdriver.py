@@ -151,7 +151,9 @@ class vDriver:  # noqa: N801 - the seed's name
         used = self.num_used_slots
         total = self.get_total_concurrent_requests()
         m = self._metrics
-        waiting = self._prefill_q.qsize() + self._transfer_q.qsize()
+        # the transfer queue holds packs, not requests, and a prefill thread holds some in its hands: the
+        # pipeline count is exact for everything before the lanes
+        waiting = self._in_pipeline
         waiting += sum(lane.backlog.qsize() + len(lane.waiting) for lane in self._lanes)
         return DriverMetrics(
             slots_used=used,
