@@ -29,6 +29,7 @@ TRACING_ENDPOINT_PATTERN = r"^(https?|grpc)://[^\s]+$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+MESH_MAX_LENGTH = 64  # the CRD's maxLength (it bounds the cost of the mesh's CEL rule)
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 
 DRIVERS = ("vdriver", "odriver")
@@ -97,7 +98,8 @@ class _Checker:
             self.fail(path, "must be a string")
         elif choices and value not in choices:
             self.fail(path, f"must be one of {', '.join(choices)} (got {value!r})")
-        elif pattern and not re.match(pattern, value):
+        # fullmatch: Go's regexp (the API server's) has no "$ before a trailing newline" as re.match has.
+        elif pattern and not re.fullmatch(pattern, value):
             self.fail(path, f"{value!r} does not match {pattern}")
 
     def integer(self, value: Any, path: str, range_key: str | None = None) -> None:
@@ -135,7 +137,7 @@ def validate(body: Mapping[str, Any], *, default_image: str | None = None) -> li
     meta = c.mapping(body.get("metadata"), "metadata")
     name = meta.get("name")
     # The Service is named after the model, and Service names are DNS-1035 labels.
-    if not isinstance(name, str) or not re.match(DNS1035_LABEL, name) or len(name) > 63:
+    if not isinstance(name, str) or not re.fullmatch(DNS1035_LABEL, name) or len(name) > 63:
         c.fail(
             "metadata.name", f"{name!r} must be a DNS-1035 label (a-z, 0-9, '-', start with a letter, <= 63)"
         )
@@ -185,6 +187,8 @@ def _validate_engine(c: _Checker, engine: Mapping[str, Any]) -> None:
         c.fail("spec.engine.hbmUtilization", f"must be <= 1 (got {hbm})")
     c.string(engine.get("dtype"), "spec.engine.dtype", choices=DTYPES)
     c.string(engine.get("mesh"), "spec.engine.mesh", MESH_PATTERN)
+    if isinstance(engine.get("mesh"), str) and len(engine["mesh"]) > MESH_MAX_LENGTH:
+        c.fail("spec.engine.mesh", f"must be at most {MESH_MAX_LENGTH} characters")
 
     lengths = engine.get("prefillLengths")
     if lengths is None:
@@ -219,7 +223,7 @@ def _validate_tpu(c: _Checker, raw: Any) -> tpu.TpuPlacement | None:
             ok = False
     if not ok:
         return None
-    if not re.match(TOPOLOGY_PATTERN, t["topology"]):
+    if not re.fullmatch(TOPOLOGY_PATTERN, t["topology"]):
         c.fail("spec.tpu.topology", f"{t['topology']!r} does not match {TOPOLOGY_PATTERN}")
         return None
     try:
@@ -236,7 +240,7 @@ def _mesh_devices(mesh: str) -> int:
 def _validate_mesh(c: _Checker, spec: Mapping[str, Any], placement: tpu.TpuPlacement | None) -> None:
     engine = spec.get("engine")
     mesh = engine.get("mesh") if isinstance(engine, Mapping) else None
-    if not isinstance(mesh, str) or not re.match(MESH_PATTERN, mesh):
+    if not isinstance(mesh, str) or not re.fullmatch(MESH_PATTERN, mesh):
         return
     axes = [part.split("=", 1)[0] for part in mesh.split(",")]
     if len(set(axes)) != len(axes):
@@ -299,9 +303,10 @@ def _validate_pod_overrides(c: _Checker, spec: Mapping[str, Any], placement: tpu
         amounts = c.mapping(resources.get(kind), f"spec.resources.{kind}")
         for key, value in amounts.items():
             path = f"spec.resources.{kind}.{key}"
-            if isinstance(value, bool) or not isinstance(value, int | float | str):
-                c.fail(path, "must be a quantity (string or number)")
-            elif isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+            # int-or-string, as the API server checks it: 1.5 must be written "1.5" (or 1500m).
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                c.fail(path, "must be a quantity (a string, or an integer)")
+            elif isinstance(value, str) and not re.fullmatch(QUANTITY_PATTERN, value):
                 c.fail(path, f"{value!r} is not a Kubernetes quantity")
             elif (
                 key == tpu.TPU_RESOURCE
@@ -315,11 +320,19 @@ def _validate_pod_overrides(c: _Checker, spec: Mapping[str, Any], placement: tpu
         if not isinstance(env, list):
             c.fail("spec.env", "must be a list")
         else:
+            seen: set[str] = set()
             for i, item in enumerate(env):
                 if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
                     c.fail(f"spec.env[{i}]", "must be an object with a string name")
-                else:
-                    c.string(item["name"], f"spec.env[{i}].name", ENV_NAME_PATTERN)
+                    continue
+                c.string(item["name"], f"spec.env[{i}].name", ENV_NAME_PATTERN)
+                # A list keyed by name (x-kubernetes-list-type: map): the API server refuses duplicates.
+                if item["name"] in seen:
+                    c.fail(f"spec.env[{i}].name", f"duplicate name {item['name']!r}")
+                seen.add(item["name"])
+                c.string(item.get("value"), f"spec.env[{i}].value")
+                if item.get("valueFrom") is not None and not isinstance(item["valueFrom"], Mapping):
+                    c.fail(f"spec.env[{i}].valueFrom", "must be an object")
 
     selector = c.mapping(spec.get("nodeSelector"), "spec.nodeSelector")
     for key, value in selector.items():
@@ -342,4 +355,7 @@ def _validate_pod_overrides(c: _Checker, spec: Mapping[str, Any], placement: tpu
             for i, t in enumerate(tolerations):
                 c.string(t.get("operator"), f"spec.tolerations[{i}].operator", choices=TOLERATION_OPERATORS)
                 c.string(t.get("effect"), f"spec.tolerations[{i}].effect", choices=TAINT_EFFECTS)
+                c.string(t.get("key"), f"spec.tolerations[{i}].key")
+                c.string(t.get("value"), f"spec.tolerations[{i}].value")
+                c.integer(t.get("tolerationSeconds"), f"spec.tolerations[{i}].tolerationSeconds")
     c.string(spec.get("serviceAccountName"), "spec.serviceAccountName", DNS1123_SUBDOMAIN)

@@ -255,3 +255,7 @@ def test_defaults_match_the_operator():
     for crd_key, py_key in spec._AUTOSCALING_KEYS.items():
         assert props[crd_key]["default"] == getattr(defaults, py_key), crd_key
     assert SPEC["tracing"]["properties"]["samplingRatio"]["default"] == spec.TracingSpec("x").sampling_ratio
+
+
+def test_mesh_length_matches_the_operator():
+    assert SPEC["engine"]["properties"]["mesh"]["maxLength"] == validation.MESH_MAX_LENGTH
