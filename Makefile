@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install test-deps serve test test-fast bench lint clean
+.PHONY: install test-deps serve test test-fast test-cluster bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: test-deps
 
 test-fast: test-deps
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+# Only the tests on real Kubernetes API servers (etcd + kube-apiserver 1.20 + apiextensions 0.36 + kcm from
+# ../shared/k8s, on loopback); `make test` runs them too whenever ../shared/k8s is there.
+test-cluster: test-deps
+	$(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
 
 bench: test-deps
 	$(PY) benchmarks/engine.py $(ARGS)

@@ -1,0 +1,197 @@
+"""The cluster suite: the operator, the router and the chart against real Kubernetes API servers.
+
+``../shared/k8s`` (beside the repository; ``K8SKIT_HOME`` overrides) starts etcd, kube-apiserver 1.20,
+apiextensions-apiserver 0.36 (CRDs with CEL) and kube-controller-manager on loopback. One cluster per
+session: ``up`` into a temporary folder with the InferenceModel CRD and the kit's LeaderWorkerSet CRD,
+``down`` in ``finally`` (and ``--owner-pid`` stops it should pytest be killed). Every test here carries the
+``cluster`` marker; without the kit they are skipped, and the reason is printed at the end of the run.
+The kit folder is only read: its binaries are unpacked into ``K8SKIT_BIN_DIR`` (a temp folder by default).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+# The operator from the source tree; tests/ (kmock_harness: child processes, ports), tests/operator (the KMock
+# suite's spec cases, replayed here against the real server) and this folder (clusterkit).
+for _extra in (str(REPO / "operator"), str(REPO / "tests"), str(REPO / "tests" / "operator"), str(HERE)):
+    if _extra not in sys.path:
+        sys.path.insert(0, _extra)
+
+KIT = Path(os.environ.get("K8SKIT_HOME") or REPO.parent / "shared" / "k8s")
+CRD_FILE = REPO / "helm" / "vsurge" / "crds" / "inferencemodels.vsurge.io.yaml"
+LWS_CRD_FILE = KIT / "crds" / "leaderworkersets.leaderworkerset.x-k8s.io.yaml"
+
+
+def skip_reason() -> str | None:
+    """Why the cluster tests cannot run here, or None when they can."""
+    if os.environ.get("K8SKIT") == "0":
+        return "K8SKIT=0 is set"
+    if not (KIT / "up").exists():
+        return f"no Kubernetes test kit at {KIT} (../shared/k8s beside the repository, or K8SKIT_HOME)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = skip_reason()
+    for item in items:
+        if HERE not in Path(str(item.fspath)).resolve().parents:
+            continue
+        item.add_marker(pytest.mark.cluster)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"cluster test skipped: {reason}"))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "cluster test skipped" in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_line(f"{len(skipped)} cluster tests skipped: {skip_reason()}", yellow=True)
+
+
+# ------------------------------------------------------------------------------------------- cluster
+
+
+def _read_env(path: Path) -> dict[str, str]:
+    env = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition("=")
+        env[key] = value.strip('"')
+    return env
+
+
+@dataclass
+class Cluster:
+    """One running k8skit cluster: its folder, env file, admin kubeconfig and clients."""
+
+    dir: Path
+    env: dict[str, str]
+    startup_s: float
+    _clients: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kubeconfig(self) -> Path:
+        return Path(self.env["KUBECONFIG"])
+
+    @property
+    def server(self) -> str:
+        return self.env["K8SKIT_API_SERVER"]
+
+    @property
+    def ca(self) -> str:
+        return self.env["K8SKIT_CA"]
+
+    def api_client(self) -> Any:
+        """An admin (system:masters) ApiClient of the official client."""
+        import kubernetes
+
+        return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def kube(self, api_client: Any = None) -> Any:
+        """Plain-dict REST over an ApiClient (admin by default): the test plays kubectl with it."""
+        from vsurge_operator import kube
+
+        return kube.Kube(api_client or self.api_client(), timeout=20)
+
+    def token_kubeconfig(self, path: Path, token: str, namespace: str = "default") -> Path:
+        """A kubeconfig that logs in with a bearer token (a ServiceAccount's), like a pod would."""
+        import yaml
+
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {"name": "k8skit", "cluster": {"server": self.server, "certificate-authority": self.ca}}
+                    ],
+                    "users": [{"name": "sa", "user": {"token": token}}],
+                    "contexts": [
+                        {"name": "sa", "context": {"cluster": "k8skit", "user": "sa", "namespace": namespace}}
+                    ],
+                    "current-context": "sa",
+                }
+            )
+        )
+        return path
+
+    def log_tail(self, component: str, chars: int = 4000) -> str:
+        try:
+            return (self.dir / "logs" / f"{component}.log").read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+@pytest.fixture(scope="session")
+def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    reason = skip_reason()
+    if reason:  # only reached when a test outside tests/cluster asks for the fixture
+        pytest.skip(reason)
+    run_dir = tmp_path_factory.mktemp("k8s")
+    bin_dir = os.environ.get("K8SKIT_BIN_DIR") or os.path.join(tempfile.gettempdir(), "k8skit-bin")
+    cmd = [str(KIT / "up"), str(run_dir), "--owner-pid", str(os.getpid()), "--quiet"]
+    for crd in (CRD_FILE, LWS_CRD_FILE):  # applied and served (CEL, defaults) before `up` returns
+        cmd += ["--crd", str(crd)]
+    started = time.monotonic()
+    try:
+        # `up` installs etcd (Debian etcd-server) with apt-get when it is missing and we are root.
+        subprocess.run(
+            cmd,
+            check=True,
+            timeout=300,
+            env={**os.environ, "K8SKIT_BIN_DIR": bin_dir},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        env = _read_env(run_dir / "env")
+        yield Cluster(run_dir, env, time.monotonic() - started)
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"k8skit up failed ({e.returncode}):\n{e.stdout[-3000:]}\n{e.stderr[-6000:]}")
+    finally:
+        subprocess.run([str(KIT / "down"), str(run_dir)], check=False, timeout=120, capture_output=True)
+
+
+@pytest.fixture
+def namespace(k8s: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace per test, deleted afterwards (without waiting for its contents to go)."""
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:40].strip("-")
+    name = f"t-{base}-{os.urandom(2).hex()}"
+    api = k8s.kube()
+    api.request(
+        "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
+    yield name
+    try:
+        api.request("DELETE", f"/api/v1/namespaces/{name}")
+    except Exception:
+        pass
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 20, interval: float = 0.1, message: str = ""
+) -> Any:
+    """Poll until ``predicate`` returns something truthy; return it, or fail with ``message``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s: {message} (last: {last!r})")
