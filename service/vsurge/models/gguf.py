@@ -9,7 +9,10 @@
   tensor from the memory-mapped file, so a loader can place tensors one by one without holding the
   model twice; nothing is cached.
 - `tokenizer_source`: the GGUF path; `load_gguf_tokenizer(path)` builds the transformers tokenizer (with
-  the chat template) from the file's `tokenizer.*` metadata.
+  the chat template) from the file's `tokenizer.*` metadata, without torch (`gguf_tokenizer.py`).
+
+`read_gguf_metadata(path, decode=keys)` reads the metadata alone, with the long string arrays named in
+`decode` (the vocabulary, the merges) read whole.
 
 llama.cpp's converter interleaves the rows of the q/k projections of the `llama` architecture (for its
 rotary kernel); this module undoes it, so the weights are exactly the Hugging Face ones. Llama 3 rope
@@ -26,7 +29,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ __all__ = [
     "GGUFTensors",
     "load_gguf_tokenizer",
     "read_gguf",
+    "read_gguf_metadata",
 ]
 
 # GGML tensor types this reader dequantizes (numpy, through the `gguf` package).
@@ -265,6 +269,7 @@ class _Header:
 class _Cursor:
     def __init__(self, path: Path, buf: Any, size: int):
         self.path, self.buf, self.size, self.pos = path, buf, size, 0
+        self.decode_whole = False  # read long string arrays whole instead of as a StringArray count
 
     def truncated(self, what: str, need: int) -> CheckpointError:
         return CheckpointError(
@@ -299,6 +304,11 @@ class _Cursor:
         except UnicodeDecodeError as exc:
             raise CheckpointError(f"{self.path}: {what} at offset {start} is not valid UTF-8") from exc
 
+    def strings(self, count: int, what: str) -> list[str]:
+        if count > self.size - self.pos:  # each string takes at least its 8-byte length
+            raise self.truncated(what, self.pos + count)
+        return [self.string(what) for _ in range(count)]
+
     def value(self, type_id: int, what: str) -> Any:
         if type_id in _SCALAR_FORMATS:
             return self.scalar(type_id, what)
@@ -312,6 +322,8 @@ class _Cursor:
             start = self.take(count * dtype.itemsize, what)
             return np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).copy()
         if item_type == _STRING:
+            if self.decode_whole:
+                return self.strings(count, what)
             if count > _DECODED_STRING_ARRAY:
                 for _ in range(count):  # skip, checking each length against the file
                     self.take(self.u64(what), what)
@@ -324,9 +336,18 @@ class _Cursor:
         raise CheckpointError(f"{self.path}: {what} is an array of unknown GGUF value type {item_type}")
 
 
-def _parse(path: Path) -> _Header:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+def read_gguf_metadata(path: str | os.PathLike, *, decode: Container[str] = ()) -> dict[str, Any]:
+    """The metadata of a GGUF file (its tensor table is not read), with the string arrays named in `decode`
+    read whole; other long string arrays are `StringArray` counts, numeric arrays numpy arrays."""
+    path = Path(path)
+    cur = _open(path)
+    try:
+        return _read_metadata(cur, decode)[2]
+    finally:
+        cur.buf.close()
 
+
+def _open(path: Path) -> _Cursor:
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file not found")
     with open(path, "rb") as f:
@@ -335,7 +356,12 @@ def _parse(path: Path) -> _Header:
         if magic != b"GGUF":
             raise CheckpointError(f"{path}: not a GGUF file (it starts with {magic!r}, expected b'GGUF')")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays valid after the file is closed
-    cur = _Cursor(path, buf, size)
+    return _Cursor(path, buf, size)
+
+
+def _read_metadata(cur: _Cursor, decode: Container[str] = ()) -> tuple[int, int, dict[str, Any]]:
+    """(version, tensor count, metadata), leaving the cursor at the tensor table."""
+    path, size = cur.path, cur.size
     cur.take(4, "magic")
     version = cur.u32("the version")
     if version & 0xFFFF == 0 and version != 0:
@@ -353,7 +379,20 @@ def _parse(path: Path) -> _Header:
         type_id = cur.u32(f"metadata {key!r}")
         if key in metadata:
             raise CheckpointError(f"{path}: duplicate metadata key {key!r}")
-        metadata[key] = cur.value(type_id, f"metadata {key!r}")
+        cur.decode_whole = key in decode
+        try:
+            metadata[key] = cur.value(type_id, f"metadata {key!r}")
+        finally:
+            cur.decode_whole = False
+    return version, n_tensors, metadata
+
+
+def _parse(path: Path) -> _Header:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    cur = _open(path)
+    buf, size = cur.buf, cur.size
+    version, n_tensors, metadata = _read_metadata(cur)
 
     table = []
     for i in range(n_tensors):
@@ -798,20 +837,9 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf_tokenizer(path: str | os.PathLike):
     """A transformers fast tokenizer with the chat template, from the GGUF's `tokenizer.*` metadata.
 
-    Uses transformers' own GGUF tokenizer conversion (offline: the file is local). `chat_template` is the
-    file's `tokenizer.chat_template`, or None when the file has none (a base model).
+    Built without torch from the vocabulary, merges and token types of the file (`gguf_tokenizer.py`).
+    `chat_template` is the file's `tokenizer.chat_template`, or None when the file has none (a base model).
     """
-    from transformers import PreTrainedTokenizerFast
+    from vsurge.models.gguf_tokenizer import load_gguf_tokenizer as build
 
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: GGUF file not found")
-    try:
-        # What AutoTokenizer builds for a GGUF too, without first parsing the whole file again for a model
-        # config (0.2 s instead of 3.5 s for SmolLM2).
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot build a tokenizer from the GGUF metadata: {exc}") from exc
-    return tokenizer
+    return build(path)
