@@ -1,0 +1,190 @@
+"""Helpers of the cluster suite: what a kubelet would do, the operator and `vsurge serve` as processes.
+
+No kubelet runs in the kit: pods the controller-manager creates stay Pending. ``Kubelet`` plays its part
+through the API, as a kubelet does: it gives each new pod of a selector an IP on 127.0.0.0/8 and reports it
+Running and Ready (status subresource). ``serve`` starts a real `vsurge serve` bound to such an IP on the
+model ports the operator puts in the pod spec, so the operator's scraper reaches it at podIP:11557.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kmock_harness import LoggedProcess
+from kubernetes.client.exceptions import ApiException
+from operator_harness import OperatorProcess
+
+from vsurge_operator import kube
+
+REPO = Path(__file__).resolve().parents[2]
+IM = kube.INFERENCE_MODEL
+NAMESPACE = kube.Resource("v1", "namespaces", "Namespace")
+REPLICA_SET = kube.Resource("apps/v1", "replicasets", "ReplicaSet")
+EVENT = kube.Resource("v1", "events", "Event")
+
+# Pod IPs 127.0.0.X: a random block per session so that two sessions on one machine do not collide.
+_ip_lock = threading.Lock()
+_next_ip = [20 + (os.getpid() % 20) * 10]
+
+
+def next_pod_ip() -> str:
+    with _ip_lock:
+        n = _next_ip[0]
+        _next_ip[0] = n + 1 if n < 249 else 20
+        return f"127.0.0.{n}"
+
+
+def inference_model(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": {"source": "default"}}
+    body.update(spec)
+    return {
+        "apiVersion": "vsurge.io/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": body,
+    }
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c
+    return {}
+
+
+def selector(model: str) -> str:
+    return f"app.kubernetes.io/name=vsurge-server,vsurge.io/model={model}"
+
+
+def pods(api: kube.Kube, namespace: str, model: str) -> list[dict[str, Any]]:
+    return [p for p in api.list(kube.POD, namespace, selector(model)) if not p["metadata"].get("deletionTimestamp")]
+
+
+def events(api: kube.Kube, namespace: str, reason: str | None = None) -> list[dict[str, Any]]:
+    items = api.list(EVENT, namespace)
+    return [e for e in items if reason is None or e.get("reason") == reason]
+
+
+def ready_status(ip: str) -> dict[str, Any]:
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "podIPs": [{"ip": ip}],
+            "hostIP": "127.0.0.1",
+            "startTime": now,
+            "conditions": [
+                {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+                {"type": "ContainersReady", "status": "True", "lastTransitionTime": now},
+                {"type": "Ready", "status": "True", "lastTransitionTime": now},
+            ],
+        }
+    }
+
+
+class Kubelet:
+    """Marks every new pod of ``namespace`` Running + Ready with its own 127.0.0.X IP (a thread)."""
+
+    def __init__(self, api: kube.Kube, namespace: str, on_pod: Callable[[str, str], None] | None = None):
+        self.api, self.namespace, self.on_pod = api, namespace, on_pod
+        self.ips: dict[str, str] = {}  # pod name -> IP
+        self.errors: list[BaseException] = []
+        self.paused = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cluster-kubelet", daemon=True)
+
+    def start(self) -> Kubelet:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            if self.paused.is_set():
+                continue
+            try:
+                self.sync()
+            except Exception as e:  # kept for the test; the loop goes on
+                self.errors.append(e)
+
+    def sync(self) -> None:
+        for pod in self.api.list(kube.POD, self.namespace):
+            name = pod["metadata"]["name"]
+            if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("podIP"):
+                continue
+            ip = self.ips.get(name) or next_pod_ip()
+            if self.on_pod is not None and name not in self.ips:
+                self.on_pod(name, ip)
+            self.ips[name] = ip
+            try:
+                self.api.patch(kube.POD, self.namespace, name, ready_status(ip), subresource="status")
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+
+
+def start_operator(
+    kubeconfig: Path, log_path: Path, *args: str, env: dict[str, str] | None = None
+) -> OperatorProcess:
+    """``python -m vsurge_operator`` against the cluster, with short intervals for tests."""
+    defaults = ["--resync-seconds=2", "--retry-delay-seconds=1", "--default-image=ghcr.io/vsurge-stack/vsurge-service:test"]
+    return OperatorProcess(kubeconfig, log_path, [*defaults, *args], env=env).start()
+
+
+def vsurge_command() -> list[str]:
+    script = Path(sys.executable).parent / "vsurge"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_", "KUBECONFIG"))}
+    env.update(extra)
+    return env
+
+
+def serve(model_dir: Path, ip: str, log_path: Path, served_name: str, *flags: str) -> LoggedProcess:
+    """A real `vsurge serve` on ip:11556 (API) and ip:11557 (/metrics), the pod ports of the operator."""
+    env = clean_env(JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device, not the suite's eight fake ones
+    args = [
+        *vsurge_command(),
+        "serve",
+        f"--model={model_dir}",
+        f"--served-model-name={served_name}",
+        f"--host={ip}",
+        "--port=11556",
+        "--metrics-port=11557",
+        *flags,
+    ]
+    return LoggedProcess(args, log_path, env).start()
+
+
+def kubectl(kubeconfig: Path, *args: str) -> str | None:
+    """kubectl when it is installed (None otherwise): the tests then make the same call with the client."""
+    import shutil
+
+    if not shutil.which("kubectl"):
+        return None
+    p = subprocess.run(
+        ["kubectl", f"--kubeconfig={kubeconfig}", *args], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, (p.args, p.stdout, p.stderr)
+    return p.stdout
+
+
+def dump(obj: Any) -> str:
+    return yaml.safe_dump(obj, sort_keys=False)
