@@ -15,3 +15,7 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+# Real S3 / GCS / Hub servers on loopback for the model-source tests (tests/service/test_sources_*.py).
+from sources_servers import gcs, gcs_server, hub, moto_server, s3, sharded_ckpt  # noqa: E402, F401

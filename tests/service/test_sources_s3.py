@@ -9,14 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from sources_servers import (  # noqa: F401 - fixtures
-    complete_revisions,
-    moto_server,
-    s3,
-    same_logits,
-    sharded_ckpt,
-    upload_dir,
-)
+from sources_servers import complete_revisions, same_logits, upload_dir
 
 import vsurge
 from vsurge.models.sources import ModelSourceError, download_bytes, load_phases
