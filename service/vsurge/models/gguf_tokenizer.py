@@ -124,7 +124,7 @@ def _read_spec(path: Path) -> dict[str, Any]:
         value = meta.get(key)
         if value is None:
             return None
-        if isinstance(value, StringArray) or isinstance(value, str | int | float):
+        if isinstance(value, StringArray | str | int | float):
             raise CheckpointError(f"{path}: GGUF metadata {key!r} is not an array")
         value = value.tolist() if hasattr(value, "tolist") else list(value)
         if len(value) != n:
@@ -198,7 +198,11 @@ def _build_backend(path: Path, spec: dict[str, Any]):
 @lru_cache(maxsize=1)
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's map from each byte to the printable character byte-level vocabularies spell it with."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     spelling = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -233,7 +237,9 @@ def _byte_level(spec: dict[str, Any]):
     tokenizer = Tokenizer(bpe)
     splits = PRE_TOKENIZER_SPLITS.get(pre, ("gpt2",))
     steps = [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits if s != "gpt2"]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex="gpt2" in splits)
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, trim_offsets=True, use_regex="gpt2" in splits
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*steps, byte_level]) if steps else byte_level
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
@@ -264,7 +270,9 @@ def _sentencepiece_bpe(path: Path, spec: dict[str, Any]):
             )
         merges = _merges_from_scores(vocab, tokens, spec["scores"])
     unk = tokens[spec["unk"]] if spec["unk"] is not None else None
-    bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None)
+    bpe = models.BPE(
+        vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None
+    )
     tokenizer = Tokenizer(bpe)
     tokenizer.normalizer = None
     add_space = spec["add_space_prefix"] if spec["add_space_prefix"] is not None else True
@@ -278,7 +286,9 @@ def _sentencepiece_bpe(path: Path, spec: dict[str, Any]):
     return tokenizer
 
 
-def _merges_from_scores(vocab: dict[str, int], tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+def _merges_from_scores(
+    vocab: dict[str, int], tokens: list[str], scores: list[float]
+) -> list[tuple[str, str]]:
     """The merges a sentencepiece vocabulary implies: every way of cutting a token into two tokens of the
     vocabulary, best-scoring result first (ties: shorter left piece, then shorter right; then vocabulary
     order of the pieces), which is the order sentencepiece's BPE applies them in."""
@@ -317,7 +327,9 @@ def _add_special_tokens(tokenizer, spec: dict[str, Any]) -> None:
         if spec[key] is not None and spec[key] not in special_ids:
             special_ids.append(spec[key])
     special = [
-        AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special_ids) if usable(tokens[i])
+        AddedToken(tokens[i], normalized=False, special=True)
+        for i in sorted(special_ids)
+        if usable(tokens[i])
     ]
     if special:
         tokenizer.add_special_tokens(special)
@@ -352,7 +364,9 @@ def _set_post_processor(tokenizer, spec: dict[str, Any]) -> None:
         specials.append((bos, spec["bos"]))
     if eos and eos != bos:
         specials.append((eos, spec["eos"]))
-    tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials
+    )
 
 
 def _wrapper_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
