@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from sources_servers import complete_revisions, same_logits
 
@@ -48,7 +50,7 @@ def test_cut_transfer_is_retried_and_verified(hub, sharded_ckpt):
     hub.truncate[shard] = 1
     path = resolve("hf://acme/flaky")
     assert hub.gets.count(shard) == 2
-    assert open(f"{path}/{shard}", "rb").read() == (sharded_ckpt / shard).read_bytes()
+    assert Path(path, shard).read_bytes() == (sharded_ckpt / shard).read_bytes()
 
 
 def test_transfer_cut_every_time_is_a_clear_error(hub, sharded_ckpt, tmp_path):
@@ -73,7 +75,7 @@ def test_corrupt_bytes_fail_sha256(hub, sharded_ckpt, tmp_path):
     before = download_bytes()["hf"]
     path = resolve("hf://acme/corrupt")
     assert download_bytes()["hf"] - before == (sharded_ckpt / shard).stat().st_size
-    assert open(f"{path}/{shard}", "rb").read() == (sharded_ckpt / shard).read_bytes()
+    assert Path(path, shard).read_bytes() == (sharded_ckpt / shard).read_bytes()
 
 
 def test_hf_source_syntax_errors():
