@@ -61,6 +61,11 @@ class vSurgeRequest:  # noqa: N801 - the seed's name
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    # True: prompt + max_tokens beyond the context is an error (PromptTooLongError), not a silent cut
+    strict_max_tokens: bool = False
     detokenize: bool | None = None  # None: detokenize unless is_client_side_tokenization
 
     @classmethod
@@ -101,3 +106,8 @@ class ReturnSample:
     time_to_first_token: float | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # Sent once, with a request's first delta of each sample: the prompt's token ids, its logprobs (when
+    # prompt_logprobs was asked; entry 0 is None) and how many prompt tokens came from the prefix cache.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0

@@ -14,9 +14,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["InvalidSamplingParams", "MAX_N", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "SamplingParams"]
+__all__ = [
+    "InvalidSamplingParams",
+    "MAX_ALLOWED_TOKEN_IDS",
+    "MAX_LOGIT_BIAS",
+    "MAX_N",
+    "MAX_STOP_STRINGS",
+    "MAX_TOP_LOGPROBS",
+    "SamplingParams",
+]
 
 MAX_TOP_LOGPROBS = 20
+# OpenAI's own cap on logit_bias entries.
+MAX_LOGIT_BIAS = 300
+# allowed_token_ids and logit_bias share one sparse row per slot on the device (see engines.sampling):
+# its width is the most distinct ids the two may name together.
+MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 16
 MAX_N = 128
 # The seed is folded into 64 bits of key material; anything in this range maps to a distinct key.
@@ -70,6 +83,12 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # token id -> added to its logit before sampling (OpenAI: -100..100; -100 bans, 100 all but forces)
+    logit_bias: dict[int, float] | None = None
+    # vLLM: sample only among these ids
+    allowed_token_ids: list[int] | None = None
+    # vLLM: logprobs of the prompt tokens (None: off; k >= 0: each prompt token's own plus the top k)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # OpenAI accepts `stop: "x"`; keep one representation downstream.
@@ -114,6 +133,11 @@ class SamplingParams:
             _fail("top_logprobs", f"must be 0 unless logprobs is true, got {tl!r}")
         self._check_stop()
         self._check_stop_token_ids()
+        self._check_logit_bias()
+        self._check_allowed_token_ids()
+        pl = self.prompt_logprobs
+        if pl is not None and (not _is_int(pl) or not (0 <= pl <= MAX_TOP_LOGPROBS)):
+            _fail("prompt_logprobs", f"must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {pl!r}")
         if self.seed is not None and (not _is_int(self.seed) or not (_SEED_MIN <= self.seed <= _SEED_MAX)):
             _fail("seed", f"must be null or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
 
@@ -133,6 +157,36 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 _fail("stop", f"must contain only non-empty strings, got {s!r}")
+
+    def _check_logit_bias(self) -> None:
+        lb = self.logit_bias
+        if lb is None:
+            return
+        if not isinstance(lb, dict):
+            _fail("logit_bias", f"must be a map of token id to a bias in [-100, 100], got {type(lb).__name__}")
+        if len(lb) > MAX_LOGIT_BIAS:
+            _fail("logit_bias", f"must have at most {MAX_LOGIT_BIAS} entries, got {len(lb)}")
+        for t, b in lb.items():
+            if not _is_int(t) or t < 0:
+                _fail("logit_bias", f"keys must be token ids (integers >= 0), got {t!r}")
+            if not _is_number(b) or not (-100 <= b <= 100):
+                _fail("logit_bias", f"values must be in [-100, 100], got {b!r} for token {t}")
+
+    def _check_allowed_token_ids(self) -> None:
+        ids = self.allowed_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, list | tuple) or not ids:
+            _fail("allowed_token_ids", "must be a non-empty list of token ids")
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                _fail("allowed_token_ids", f"must contain only integers >= 0, got {t!r}")
+        union = set(ids) | set(self.logit_bias or ())
+        if len(union) > MAX_ALLOWED_TOKEN_IDS:
+            _fail(
+                "allowed_token_ids",
+                f"together with logit_bias may name at most {MAX_ALLOWED_TOKEN_IDS} distinct ids, got {len(union)}",
+            )
 
     def _check_stop_token_ids(self) -> None:
         if self.stop_token_ids is None:

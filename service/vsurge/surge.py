@@ -246,6 +246,12 @@ class vSurge:  # noqa: N801 - the seed's name
                 f"prompt has {len(ids)} tokens; this model accepts at most {self.max_prompt_length} "
                 f"(max_length {self.max_length})"
             )
+        if request.strict_max_tokens and len(ids) + params.max_tokens > self.max_length:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_length} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in "
+                "the completion). Please reduce the length of the prompt or completion."
+            )
         md = request.metadata or vSurgeMetadata()
         return ActiveRequest(
             ids,

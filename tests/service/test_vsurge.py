@@ -139,8 +139,12 @@ def test_max_length_ends_with_length(surge):
 
 
 def test_bad_input_raises_clear_errors(surge):
-    with pytest.raises(PromptTooLongError, match="at most 64"):
-        asyncio.run(collect(surge, ids_request(list(range(3, 80)), 4)))
+    # prompts longer than the largest bucket (64) are prefilled in chunks: the limit is the context
+    with pytest.raises(PromptTooLongError, match=f"at most {MAX_LEN - 1}"):
+        asyncio.run(collect(surge, ids_request(list(range(3, 3 + MAX_LEN)), 4)))
+    # asked for more than the context holds: an error, not a silent cut
+    with pytest.raises(PromptTooLongError, match="maximum context length is 128"):
+        asyncio.run(collect(surge, ids_request(list(range(3, 103)), 40, strict_max_tokens=True)))
     with pytest.raises(InvalidSamplingParams, match="max_tokens"):
         asyncio.run(collect(surge, ids_request([1, 2], -1)))
     with pytest.raises(ValueError, match="3 prompts but 2 sampling_params"):
@@ -151,6 +155,14 @@ def test_bad_input_raises_clear_errors(surge):
     assert surge.count_tokens([{"role": "user", "content": "hi"}]) > surge.count_tokens("hi")
     with pytest.raises(TypeError, match="ActiveRequest"):
         surge.driver.submit_request({"prompt": "x"})
+
+
+def test_prompt_longer_than_every_bucket_is_served_exactly(surge, tiny):
+    model, _ = tiny
+    prompt = list(range(3, 103))  # 100 tokens > the 64 bucket
+    _, ids, finish = asyncio.run(collect(surge, ids_request(prompt, 12)))
+    assert ids[0] == greedy_generate(model, [prompt], 12)[0]
+    assert finish[0] == "length"
 
 
 def test_failed_request_fails_alone(surge):

@@ -75,6 +75,7 @@ class SampleProgress:
     ids_delta: list[int] = field(default_factory=list)
     logprobs_delta: list[TokenLogprob] = field(default_factory=list)
     dirty: bool = False
+    prompt_info_sent: bool = False  # the prompt's ids / logprobs / cached count go with the first delta
 
     @property
     def done(self) -> bool:
@@ -121,6 +122,10 @@ class ActiveRequest:
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self.error: str | None = None
+        # set by the driver before the first token: prompt logprobs (params.prompt_logprobs) and how many
+        # prompt tokens the prefix cache supplied
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.num_cached_tokens = 0
 
     # ------------------------------------------------------------------ consumer side
     def cancel(self) -> None:
@@ -217,10 +222,21 @@ class ActiveRequest:
                     else None,
                     logprobs=s.logprobs_delta if self.params.logprobs else None,
                     error=self.error,
+                    **self._prompt_info(s),
                 )
             )
             s.text_delta, s.ids_delta, s.logprobs_delta, s.dirty = "", [], [], False
         return out
+
+    def _prompt_info(self, s: SampleProgress) -> dict:
+        if s.prompt_info_sent:
+            return {}
+        s.prompt_info_sent = True
+        return {
+            "prompt_token_ids": self.prompt_ids,
+            "prompt_logprobs": self.prompt_logprobs,
+            "num_cached_tokens": self.num_cached_tokens,
+        }
 
     def fail(self, reason: str) -> None:
         """End this request with an error; the consumer gets RequestFailedError(reason)."""

@@ -154,6 +154,8 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
             try:
                 first = self._make_seq(req, 0, [])
                 seqs = [first] + [self._make_seq(req, i, [], first.keys) for i in range(1, req.params.n)]
+                if req.params.prompt_logprobs is not None:  # a dense pass of its own, off the generate thread
+                    req.prompt_logprobs = self._engine.score_prompt(req.prompt_ids, req.params.prompt_logprobs)
             except Exception as e:  # one bad request must not take the driver down
                 self._fail(req, f"prefill failed: {e}")
                 continue
@@ -294,6 +296,8 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
                 self._recompute(item[1])
             elif kind == "first":
                 _, seq, first = item
+                if seq.index == 0 and not seq.req.samples[0].prompt_info_sent:
+                    seq.req.num_cached_tokens = seq.cached_tokens  # usage.prompt_tokens_details
                 self._take_token(lane, seq, [np.asarray(x) for x in first], 0, max_length)
                 self._flush(lane, [seq.req])
             else:

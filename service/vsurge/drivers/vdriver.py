@@ -271,10 +271,13 @@ class vDriver:  # noqa: N801 - the seed's name
                     break
             if not self._admit_prefill(engine, req):
                 continue
-            if batch and tokens + len(req.prompt_ids) > engine.prefill_pack_tokens:
+            alone = engine.needs_chunks(req.prompt_ids, req.params)  # chunk by chunk, in its own call
+            if batch and (alone or tokens + len(req.prompt_ids) > engine.prefill_pack_tokens):
                 return batch, req
             batch.append(req)
             tokens += len(req.prompt_ids)
+            if alone:
+                break
         return batch, carry
 
     def _prefill_loop(self, engine: vEngine) -> None:
@@ -304,11 +307,17 @@ class vDriver:  # noqa: N801 - the seed's name
         for req in batch:
             req.metadata.prefill_started_at = now
         try:
-            prefix = engine.prefill_many(
-                [r.prompt_ids for r in batch],
-                [r.params for r in batch],
-                [sorted(r.stop_ids) for r in batch],
-            )
+            head = batch[0]
+            if engine.needs_chunks(head.prompt_ids, head.params):
+                prefix, head.prompt_logprobs = engine.prefill_chunked(
+                    head.prompt_ids, head.params, sorted(head.stop_ids)
+                )
+            else:
+                prefix = engine.prefill_many(
+                    [r.prompt_ids for r in batch],
+                    [r.params for r in batch],
+                    [sorted(r.stop_ids) for r in batch],
+                )
         except Exception as e:
             for req in batch:
                 self._fail(req, f"prefill failed: {e}")

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..models.sharding import place_params
+from .chunked_prefill import ChunkedPrefill
 from .sampling import SlotSampling, sample, sharded_sampling
 
 
@@ -119,6 +120,29 @@ class EngineBase:
         self.params = place_params(params, self.config, mesh) if mesh is not None else params
         self.decode_rows = row_buckets(self.max_concurrent_decodes, smallest_rows)
         self.logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
+
+    def _make_chunked(self) -> ChunkedPrefill:
+        return ChunkedPrefill(
+            self.graphdef,
+            self.params,
+            self.config,
+            self.prefill_lengths,
+            self.max_prefill_length,
+            self.max_length,
+            self.pad_token_id,
+            self.model.dtype,
+        )
+
+    def score_prompt(self, tokens: Sequence[int], k: int) -> list[Any]:
+        """The prompt's logprobs (None, then each token's given the ones before it, with the top k)."""
+        _, _, parts = self.chunked.run(tokens, True)
+        return ChunkedPrefill.prompt_logprobs(tokens, parts, k)
+
+    def warm_chunked(self) -> None:
+        """Run every chunk program once (compile() of either engine)."""
+        scored = [1] * min(self.max_prefill_length, self.max_length - 1)
+        for n in self.prefill_lengths:
+            self.score_prompt(scored[:n], 0)
 
     def _samplers(self, shardings: Any) -> dict[int, Any]:
         """The sampler step per row count, the decode state donated."""

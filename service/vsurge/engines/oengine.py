@@ -219,6 +219,7 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             for n in self.page_buckets
         }
         self._sample = self._samplers(shardings)
+        self.chunked = self._make_chunked()  # prompt logprobs only (prefill itself is paged)
         self._zeros_v: jax.Array | None = None
         self._spare: PagedState | None = None
         self.compiled = False
@@ -374,6 +375,7 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             (f"sampler slots={r}", fn, (state, jax.device_put(jnp.zeros((r, v), jnp.float32), rep)))
             for r, fn in self._sample.items()
         ]
+        jobs += self.chunked.jobs()
 
         def build(job):
             name, fn, args = job
@@ -394,6 +396,7 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             pages, logits = fn(self.params, state.pages, state.tokens, state.positions, table)
             state, out = self._sample[r](state._replace(pages=pages), logits)
         jax.block_until_ready((first, out))
+        self.warm_chunked()
         self._spare = state
         self.compiled = True
         say(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.1f}s")

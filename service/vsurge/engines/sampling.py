@@ -20,6 +20,9 @@ logprobs are of the model's raw distribution (``log_softmax(logits)``, before pe
 
 Semantics, per slot, in this order (vLLM / Hugging Face conventions):
 
+0. logit_bias is added to the listed ids; with allowed_token_ids every id not listed gets ``-inf``
+   (both live in one sparse row per slot, ``bias_ids`` / ``bias_vals``, so a step without them pays one
+   comparison over that row and nothing over the vocabulary);
 1. repetition penalty (HF/CTRL) on tokens seen in the prompt or the output: positive logits are divided
    by it, negative ones multiplied;
 2. frequency / presence penalties (OpenAI) over the generated tokens:
@@ -75,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from vsurge.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from vsurge.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = [
     "DEFAULT_CANDIDATE_CAP",
@@ -96,6 +99,7 @@ __all__ = [
 GREEDY_EPS = 1e-5
 DEFAULT_CANDIDATE_CAP = 64
 DEFAULT_MAX_STOP_IDS = 8
+DEFAULT_MAX_BIAS_IDS = MAX_ALLOWED_TOKEN_IDS
 # Block width of the two-stage top-k: measured fastest among 32..128 at V=49152 on XLA:CPU.
 _TOPK_BLOCK = 64
 # Target block width of the two-level inverse CDF: ~sqrt(V) keeps both cumsums short.
@@ -116,6 +120,9 @@ class SlotSampling(NamedTuple):
     key: jax.Array  # u32[S, 2]; raw threefry2x32 key data, see `seed_key_data`
     min_tokens: jax.Array  # i32[S]; stop_ids are suppressed while step < min_tokens
     stop_ids: jax.Array  # i32[S, E]; ids that would end the request (EOS, stop_token_ids), -1 padded
+    bias_ids: jax.Array  # i32[S, B]; ids named by logit_bias or allowed_token_ids, -1 padded
+    bias_vals: jax.Array  # f32[S, B]; the bias of each (0 for an allowed id without one)
+    restrict: jax.Array  # bool[S]; True: only bias_ids may be sampled (allowed_token_ids)
 
 
 class SampleResult(NamedTuple):
@@ -152,6 +159,7 @@ def make_slot_sampling(
     keys: Sequence[np.ndarray] | None = None,
     stop_ids: Sequence[Sequence[int]] | None = None,
     max_stop_ids: int = DEFAULT_MAX_STOP_IDS,
+    max_bias_ids: int = DEFAULT_MAX_BIAS_IDS,
 ) -> SlotSampling:
     """Build a `SlotSampling` from host values; ``None`` entries are idle slots (greedy, no penalties).
 
@@ -171,6 +179,9 @@ def make_slot_sampling(
         "key": np.zeros((n, 2), np.uint32),
         "min_tokens": np.zeros(n, np.int32),
         "stop_ids": np.full((n, max_stop_ids), -1, np.int32),
+        "bias_ids": np.full((n, max_bias_ids), -1, np.int32),
+        "bias_vals": np.zeros((n, max_bias_ids), np.float32),
+        "restrict": np.zeros(n, bool),
     }
     for i, p in enumerate(params):
         if keys is not None:
@@ -180,13 +191,27 @@ def make_slot_sampling(
         if p is None:
             continue
         for name in SlotSampling._fields:
-            if name not in ("key", "stop_ids"):
+            if name not in ("key", "stop_ids", "bias_ids", "bias_vals", "restrict"):
                 cols[name][i] = getattr(p, name)
+        bias = _bias_row(p)
+        if len(bias) > max_bias_ids:
+            raise ValueError(f"logit_bias / allowed_token_ids of slot {i}: at most {max_bias_ids} ids")
+        if bias:
+            cols["bias_ids"][i, : len(bias)] = list(bias)
+            cols["bias_vals"][i, : len(bias)] = list(bias.values())
+        cols["restrict"][i] = p.allowed_token_ids is not None
         ids = list(stop_ids[i]) if stop_ids is not None else []
         if len(ids) > max_stop_ids:
             raise ValueError(f"stop_ids of slot {i}: at most {max_stop_ids} ids, got {len(ids)}")
         cols["stop_ids"][i, : len(ids)] = ids
     return SlotSampling(**{name: jnp.asarray(a) for name, a in cols.items()})
+
+
+def _bias_row(p: SamplingParams) -> dict[int, float]:
+    """The slot's sparse row: allowed ids (bias 0) and logit_bias entries, each id once."""
+    row = dict.fromkeys(p.allowed_token_ids or (), 0.0)
+    row.update({int(t): float(b) for t, b in (p.logit_bias or {}).items()})
+    return row
 
 
 def set_slot(sampling: SlotSampling, slot: int | jax.Array, row: SlotSampling) -> SlotSampling:
@@ -344,6 +369,16 @@ def _apply_penalties(logits, params, counts, prompt_mask):
         out = out - params.frequency_penalty[:, None] * counts.astype(out.dtype)
         out = out - params.presence_penalty[:, None] * seen.astype(out.dtype)
     return out
+
+
+def _apply_bias(logits, params):
+    s, v = logits.shape
+    ids = params.bias_ids
+    rows = jnp.arange(s)[:, None]
+    idx = jnp.where((ids >= 0) & (ids < v), ids, v)  # padding scatters to V, which mode="drop" discards
+    biased = logits.at[rows, idx].add(params.bias_vals, mode="drop")
+    listed = jnp.zeros((s, v), bool).at[rows, idx].set(True, mode="drop")
+    return jnp.where(params.restrict[:, None] & ~listed, -jnp.inf, biased)
 
 
 def _suppress_stop_ids(logits, params, step):
@@ -517,7 +552,9 @@ def sample(
     cap = max(1, min(candidate_cap, v))
     step = jnp.asarray(step, jnp.int32)
 
-    pen = logits
+    pen = lax.cond(
+        jnp.any(params.bias_ids >= 0), lambda x: _apply_bias(x, params), lambda x: x, logits
+    )
     if generated_counts is not None or prompt_mask is not None:
         active = (params.repetition_penalty != 1.0) | (params.presence_penalty != 0.0)
         active = active | (params.frequency_penalty != 0.0)

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from ..models.attention import DenseDecodeAttention, PrefillAttention
 from ..models.sharding import kv_cache_sharding
 from ..sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from .chunked_prefill import ChunkedPrefill
 from .engine_base import EngineBase, constrain, plan_lengths, sample_step
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
@@ -85,6 +86,17 @@ def _prefill_impl(graphdef, params, tokens, positions, segments, starts, lengths
     return Prefix(kv, last, starts, lengths, mask, sampling)
 
 
+def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab: int):
+    """A chunked prefill's row as entry 0 of a Prefix (the other entries unused), so insert and the
+    first-token sampler serve it like any pack."""
+    valid = jnp.arange(tokens.shape[0]) < length
+    mask = jnp.zeros((entries, vocab), bool).at[0, jnp.where(valid, tokens, vocab)].set(True, mode="drop")
+    hidden = jnp.zeros((entries, last.shape[-1]), last.dtype).at[0].set(last)
+    starts = jnp.zeros((entries,), jnp.int32)
+    lengths = jnp.zeros((entries,), jnp.int32).at[0].set(length)
+    return Prefix(kv, hidden, starts, lengths, mask, sampling)
+
+
 def _entry(rows: SlotSampling, j, key) -> SlotSampling:
     return SlotSampling(*(a[j][None] for a in rows))._replace(key=key[None])
 
@@ -105,7 +117,8 @@ def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_tok
     # the whole packed row, shifted so entry j starts at position 0; what follows the prompt is never
     # read (decode writes position p before attending to positions <= p)
     t = prefix.kv[0][0].shape[0]
-    src = jnp.minimum(prefix.starts[j] + jnp.arange(t), t - 1)
+    # a chunked prefill's row may be longer than the cache (rounded up to whole chunks)
+    src = jnp.minimum(prefix.starts[j] + jnp.arange(min(t, state.caches[0][0].shape[1])), t - 1)
     caches = tuple(
         (
             jax.lax.dynamic_update_slice(
@@ -208,6 +221,10 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             for rows in self.decode_rows
         }
         self._zeros = None
+        self.chunked = self._make_chunked()
+        self._long_prefix = jax.jit(
+            partial(_long_prefix_impl, entries=self.max_concurrent_prefill, vocab=self.config.vocab_size)
+        )
         self.compiled = False
 
     # ------------------------------------------------------------------ state
@@ -274,18 +291,51 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         )
 
     # ------------------------------------------------------------------ steps
+    @property
+    def max_prompt_length(self) -> int:
+        """Longest prompt: the context less one generated token (longer than a bucket: chunked)."""
+        return self.max_length - 1
+
     def check_prompt(self, tokens: Sequence[int]) -> int:
         """The prompt's length if this engine can prefill it, else ValueError with the reason."""
         if len(tokens) < 1:
             raise ValueError("empty prompt")
-        self.bucket_for(len(tokens))
+        if len(tokens) > self.max_prompt_length:
+            raise ValueError(
+                f"prompt of {len(tokens)} tokens leaves no room in max_length {self.max_length}"
+            )
         return len(tokens)
+
+    def needs_chunks(self, tokens: Sequence[int], params: SamplingParams) -> bool:
+        """True when a prompt must be prefilled alone, chunk by chunk (prefill_chunked): too long for a
+        bucket, or its prompt logprobs are wanted."""
+        return len(tokens) > self.max_prefill_length or params.prompt_logprobs is not None
 
     def prefill(
         self, tokens: Sequence[int], params: SamplingParams | None = None, stop_ids: Sequence[int] = ()
     ) -> Prefix:
         """Prefill one prompt (entry 0 of the returned Prefix)."""
-        return self.prefill_many([tokens], [params or SamplingParams()], [stop_ids])
+        params = params or SamplingParams()
+        if len(tokens) > self.max_prefill_length:
+            return self.prefill_chunked(tokens, params, stop_ids)[0]
+        return self.prefill_many([tokens], [params], [stop_ids])
+
+    def prefill_chunked(
+        self, tokens: Sequence[int], params: SamplingParams, stop_ids: Sequence[int] = ()
+    ) -> tuple[Prefix, list[Any] | None]:
+        """Prefill one prompt of any length up to max_prompt_length chunk by chunk; returns the Prefix
+        (entry 0) and, when params.prompt_logprobs is set, the prompt's logprobs (see ChunkedPrefill)."""
+        n = self.check_prompt(tokens)
+        want = params.prompt_logprobs is not None
+        rows, last, parts = self.chunked.run(tokens, want)
+        padded = np.full(self.chunked.row_length, self.pad_token_id, np.int32)
+        padded[:n] = tokens
+        k = self.max_concurrent_prefill
+        stops = [list(stop_ids)[:DEFAULT_MAX_STOP_IDS]] + [[]] * (k - 1)
+        sampling = make_slot_sampling([params] + [None] * (k - 1), stop_ids=stops)
+        prefix = self._long_prefix(rows, last, padded, np.int32(n), sampling)
+        lps = ChunkedPrefill.prompt_logprobs(tokens, parts, params.prompt_logprobs) if want else None
+        return prefix, lps
 
     def prefill_many(
         self,
@@ -302,7 +352,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         if not 1 <= len(prompts) <= k or len(params) != len(prompts):
             raise ValueError(f"prefill_many takes 1..{k} prompts with one SamplingParams each")
         lengths = [self.check_prompt(p) for p in prompts]
-        bucket = self.bucket_for(sum(lengths))
+        bucket = self.bucket_for(sum(lengths))  # a prompt longer than every bucket: prefill_chunked
         tokens = np.full(bucket, self.pad_token_id, np.int32)
         positions = np.zeros(bucket, np.int32)
         segments = np.full(bucket, k, np.int32)
@@ -395,6 +445,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         jobs += [
             (f"decode slots={r}", fn, (self.params, state, np.int32(1))) for r, fn in self._decode.items()
         ]
+        jobs += self.chunked.jobs()
 
         def build(job):
             name, fn, args = job
@@ -407,6 +458,9 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
                 say(line)
         for n in self.prefill_lengths:  # warm every program on the real state
             state, first = self.insert(self.prefill([1] * n, greedy[0]), state, 0)
+        # a chunked prefill through every bucket, with prompt logprobs, then its (longer) row's insert
+        self.warm_chunked()
+        state, first = self.insert(self.prefill_chunked([1] * self.max_prompt_length, greedy[0])[0], state, 0)
         for fn in self._decode.values():
             state, out = fn(self.params, state, np.int32(1))
         jax.block_until_ready(out)

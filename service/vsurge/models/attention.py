@@ -57,6 +57,35 @@ class PrefillAttention:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkAttention:
+    """One chunk of a single sequence against that sequence's own dense row K, V [R, KVH, D].
+
+    meta: (positions [1, C], start) — the chunk's absolute positions and where it begins. The chunk's K/V
+    are written at [start, start + C) (the caller keeps start + C <= R), then each query attends to every
+    row position <= its own: earlier chunks and its own chunk. Positions past the prompt hold padding's
+    K/V, which no valid query can see. Used for prompts longer than the largest prefill bucket and for
+    prompt logprobs (engines/chunked_prefill.py).
+    """
+
+    window: int | None = None
+
+    def __call__(self, q, k, v, cache, meta):
+        positions, start = meta
+        kc, vc = cache
+        _, t, h, d = q.shape
+        kvh = k.shape[2]
+        kc = jax.lax.dynamic_update_slice(kc, k[0].astype(kc.dtype), (start, 0, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v[0].astype(vc.dtype), (start, 0, 0))
+        qg = _group(q, kvh)[0].astype(jnp.float32)  # [C, KVH, G, D]
+        scores = jnp.einsum("tkgd,skd->kgts", qg, kc.astype(jnp.float32)) / jnp.sqrt(jnp.float32(d))
+        ok = _allowed(positions[0][:, None], jnp.arange(kc.shape[0])[None, :], self.window)  # [C, R]
+        scores = jnp.where(ok[None, None], scores, _NEG)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("kgts,skd->tkgd", probs, vc.astype(jnp.float32))
+        return out.reshape(1, t, h, d).astype(q.dtype), (kc, vc)
+
+
+@dataclasses.dataclass(frozen=True)
 class DenseDecodeAttention:
     """One new token per slot against a dense cache K, V [S, M, KVH, D].
 

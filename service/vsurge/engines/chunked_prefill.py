@@ -1,0 +1,128 @@
+"""Chunk-by-chunk prefill of one sequence into a dense row: prompts longer than the largest prefill bucket,
+and prompt logprobs (vLLM's `prompt_logprobs`, OpenAI's `echo` + `logprobs`).
+
+A prompt of n tokens runs as chunks of at most `max_prefill_length` tokens, each padded to a prefill
+bucket; chunk i starts at i * max_prefill_length and attends to the row written by the chunks before it
+(`ChunkAttention`). The row is `round_up(max_length, max_prefill_length)` long, so no chunk's write is
+ever clamped. Per chunk, when asked, one more program turns the chunk's hidden states into the logprob of
+each next prompt token and the top `MAX_TOP_LOGPROBS`: the normal prefill never pays for logits at every
+position. Every (bucket) shape is compiled with the engine; both engines use this (vEngine also inserts the
+row into a slot; oEngine only scores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..models.attention import ChunkAttention
+from ..request import TokenLogprob
+from ..sampling_params import MAX_TOP_LOGPROBS
+from .sampling import _top_k
+
+Rows = tuple[tuple[jax.Array, jax.Array], ...]
+
+
+def _extend_impl(graphdef, params, rows: Rows, tokens, start):
+    """One chunk into the row; returns the row and the chunk's final hidden states [C, hidden]."""
+    model = nnx.merge(graphdef, params)
+    positions = (start + jnp.arange(tokens.shape[0], dtype=jnp.int32))[None]
+    backend = ChunkAttention(window=model.config.sliding_window)
+    hidden, rows = model(tokens[None], positions, backend, list(rows), (positions, start))
+    return tuple(tuple(r) for r in rows), hidden[0]
+
+
+def _logprobs_impl(graphdef, params, hidden, targets):
+    """Raw-model logprob of targets[t] after position t, and the top MAX_TOP_LOGPROBS, for one chunk."""
+    model = nnx.merge(graphdef, params)
+    logits = model.compute_logits(hidden).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    own = jnp.take_along_axis(logits, targets[:, None], axis=1)[:, 0] - lse
+    top_vals, top_ids = _top_k(logits, MAX_TOP_LOGPROBS)
+    return own, top_ids.astype(jnp.int32), top_vals - lse[:, None]
+
+
+class ChunkedPrefill:
+    """The programs and the chunk loop for one engine (its model, buckets and padding token)."""
+
+    def __init__(
+        self,
+        graphdef: Any,
+        params: Any,
+        config: Any,
+        buckets: Sequence[int],
+        chunk: int,
+        max_length: int,
+        pad_token_id: int,
+        dtype: Any,
+    ):
+        self.params = params
+        self.buckets = list(buckets)
+        self.chunk = chunk
+        self.row_length = -(-max_length // chunk) * chunk
+        self.pad_token_id = pad_token_id
+        self.hidden_size = config.hidden_size
+        self.dtype = dtype
+        shape = (self.row_length, config.num_kv_heads, config.head_dim)
+        layers = config.num_layers
+        self._zeros = jax.jit(
+            lambda: tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(layers))
+        )
+        self._extend = jax.jit(partial(_extend_impl, graphdef), donate_argnums=(1,))
+        self._logprobs = jax.jit(partial(_logprobs_impl, graphdef))
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def jobs(self) -> list[tuple[str, Any, tuple]]:
+        """(name, jitted fn, example args) of every program, for the engine's parallel compile."""
+        out = []
+        rows = jax.eval_shape(self._zeros)
+        for b in self.buckets:
+            tokens = np.zeros(b, np.int32)
+            out.append((f"chunk bucket {b}", self._extend, (self.params, rows, tokens, np.int32(0))))
+            hidden = jax.ShapeDtypeStruct((b, self.hidden_size), self.dtype)
+            out.append((f"prompt logprobs bucket {b}", self._logprobs, (self.params, hidden, tokens)))
+        return out
+
+    def run(self, tokens: Sequence[int], want_logprobs: bool) -> tuple[Rows, jax.Array, list | None]:
+        """Prefill the whole prompt chunk by chunk. Returns (row, hidden state at the last prompt token,
+        the host logprob arrays per chunk or None); dispatched asynchronously except the logprobs."""
+        n = len(tokens)
+        if not 1 <= n <= self.row_length:
+            raise ValueError(f"a chunked prefill takes 1..{self.row_length} tokens, got {n}")
+        ids = np.asarray(tokens, np.int32)
+        rows = self._zeros()
+        parts = []
+        hidden = None
+        last = 0
+        for start in range(0, n, self.chunk):
+            m = min(self.chunk, n - start)
+            b = self._bucket(m)
+            chunk = np.full(b, self.pad_token_id, np.int32)
+            chunk[:m] = ids[start : start + m]
+            rows, hidden = self._extend(self.params, rows, chunk, np.int32(start))
+            last = m - 1
+            if want_logprobs:
+                targets = np.zeros(b, np.int32)
+                nxt = ids[start + 1 : start + m + 1]
+                targets[: len(nxt)] = nxt
+                parts.append((start, len(nxt), self._logprobs(self.params, hidden, targets)))
+        return rows, hidden[last], parts if want_logprobs else None
+
+    @staticmethod
+    def prompt_logprobs(tokens: Sequence[int], parts: list, k: int) -> list[TokenLogprob | None]:
+        """Per prompt token: None for the first, then its logprob given what precedes it and the top k."""
+        out: list[TokenLogprob | None] = [None]
+        for _start, count, dev in parts:
+            own, top_ids, top_lps = (np.asarray(x) for x in dev)
+            for t in range(count):
+                top = [(int(top_ids[t, j]), float(top_lps[t, j])) for j in range(k)]
+                out.append(TokenLogprob(int(tokens[len(out)]), float(own[t]), top))
+        return out
