@@ -50,17 +50,19 @@ class _PartialFile:
         self.part = staging / (f.name + ".part")
         self.state = staging / (f.name + ".part.json")
         self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.n_chunks = max(1, -(-f.size // chunk))
-        header = {"version": f.version, "size": f.size, "chunk": chunk}
         self.done: set[int] = set()
         try:
             lines = self.state.read_text().splitlines()
-            if lines and json.loads(lines[0]) == header and self.part.exists():
+            head = json.loads(lines[0]) if lines else {}
+            if (head.get("version"), head.get("size")) == (f.version, f.size) and self.part.exists():
+                self.chunk = int(head["chunk"])  # resume with the chunk size the partial file was begun with
                 self.done = {int(x) for x in lines[1:] if x.strip().isdigit()}
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError, TypeError):
             self.done = set()
+        self.n_chunks = max(1, -(-f.size // self.chunk))
         if not self.done:
             self.part.unlink(missing_ok=True)
+            header = {"version": f.version, "size": f.size, "chunk": self.chunk}
             self.state.write_text(json.dumps(header) + "\n")
         self._state_lock = threading.Lock()
         try:
