@@ -94,8 +94,16 @@ def ready_status(ip: str) -> dict[str, Any]:
 class Kubelet:
     """Marks every new pod of ``namespace`` Running + Ready with its own 127.0.0.X IP (a thread)."""
 
-    def __init__(self, api: kube.Kube, namespace: str, on_pod: Callable[[str, str], None] | None = None):
-        self.api, self.namespace, self.on_pod = api, namespace, on_pod
+    def __init__(
+        self,
+        api: kube.Kube,
+        namespace: str,
+        on_pod: Callable[[str, str], None] | None = None,
+        ip_for: Callable[[dict[str, Any]], str | None] | None = None,
+    ):
+        """``ip_for(pod)`` may pick a pod's IP (e.g. where a `vsurge serve` listens); ``on_pod(name, ip)``
+        is told of each new pod."""
+        self.api, self.namespace, self.on_pod, self.ip_for = api, namespace, on_pod, ip_for
         self.ips: dict[str, str] = {}  # pod name -> IP
         self.errors: list[BaseException] = []
         self.paused = threading.Event()
@@ -124,7 +132,7 @@ class Kubelet:
             name = pod["metadata"]["name"]
             if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("podIP"):
                 continue
-            ip = self.ips.get(name) or next_pod_ip()
+            ip = self.ips.get(name) or (self.ip_for and self.ip_for(pod)) or next_pod_ip()
             if self.on_pod is not None and name not in self.ips:
                 self.on_pod(name, ip)
             self.ips[name] = ip

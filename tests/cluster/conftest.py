@@ -195,3 +195,74 @@ def wait_for(
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s: {message} (last: {last!r})")
+
+
+# ------------------------------------------------------------------------------ a real `vsurge serve`
+
+# The router e2e suite's engine shapes (same architecture and flags), so the JAX compilation cache is shared.
+TINY_FLAGS = ["--max-length=64", "--prefill-lengths=16,32", "--max-concurrent-decodes=4"]
+
+
+@dataclass
+class TinyServer:
+    """One `vsurge serve` of a tiny random Llama on ``ip``:11556 (API) and ``ip``:11557 (/metrics)."""
+
+    ip: str
+    served_name: str
+    proc: Any
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:11556"
+
+
+_tiny: dict[str, Any] = {}
+
+
+def _start_tiny(root: Path) -> None:
+    from clusterkit import clean_env, next_pod_ip, vsurge_command
+    from kmock_harness import LoggedProcess
+
+    ip = next_pod_ip()
+    model_dir = root / "tiny"
+    # The checkpoint is written by the child (torch is slow to import), then it becomes `vsurge serve`.
+    script = (
+        "import os, sys; sys.path.insert(0, sys.argv[1]); from tiny_models import make_checkpoint; "
+        "make_checkpoint(sys.argv[2], 'llama', seed=0); os.execv(sys.argv[3], sys.argv[3:])"
+    )
+    serve = [
+        *vsurge_command(),
+        "serve",
+        f"--model={model_dir}",
+        "--served-model-name=auto",
+        f"--host={ip}",
+        "--port=11556",
+        "--metrics-port=11557",
+        *TINY_FLAGS,
+    ]
+    env = clean_env(JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device per server, not the suite's eight fake ones
+    cmd = [sys.executable, "-c", script, str(REPO / "tests" / "service"), str(model_dir), *serve]
+    _tiny["server"] = TinyServer(ip, "auto", LoggedProcess(cmd, root / "tiny-serve.log", env).start())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prestart_tiny_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # Compiling the tiny model takes 20-60 s on two cores: start it before the first test when a collected
+    # test needs it, so that the compilation overlaps with the cluster's start and the earlier tests.
+    wanted = any("tiny_server" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    if wanted and not skip_reason():
+        _start_tiny(tmp_path_factory.mktemp("tiny"))
+    try:
+        yield
+    finally:
+        if "server" in _tiny:
+            _tiny.pop("server").proc.stop()
+
+
+@pytest.fixture
+def tiny_server() -> TinyServer:
+    server = _tiny.get("server")
+    assert server is not None, "the tiny server was not started (see _prestart_tiny_server)"
+    server.proc.wait_http(f"{server.url}/readiness", timeout=240)
+    return server
