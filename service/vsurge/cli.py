@@ -273,7 +273,8 @@ class ServeConfig:
         if self.model == "default":
             return "SmolLM2-135M-Instruct"
         p = Path(self.model.rstrip("/"))
-        return p.stem if p.suffix == ".gguf" else p.name
+        name = p.stem if p.suffix == ".gguf" else p.name
+        return name.partition("@")[0] if self.model.startswith("hf://") else name  # hf://org/name@rev
 
     @property
     def resolved_metrics_port(self) -> int:
@@ -391,6 +392,9 @@ def run_serve(cfg: ServeConfig) -> int:
         )
     except Exception as e:
         print(f"vsurge serve: {type(e).__name__}: {e}", file=sys.stderr)
+        from vsurge.models.sources.errors import write_termination_log
+
+        write_termination_log(e)  # the pod's termination message: the operator reads it
         return 1
     return 0
 
