@@ -378,6 +378,11 @@ def run_serve(cfg: ServeConfig) -> int:
         say(f"loaded {cfg.model_name} in {load_s:.1f}s")
         surge = build_surge(cfg, model, processor, mesh)
         api.add_model(cfg.model_name, surge, load_seconds=load_s)
+        from vsurge.models.sources import load_phases
+
+        phases = load_phases(cfg.model) or {"place": load_s}  # remote sources add "download"
+        for phase, seconds in phases.items():
+            api.metrics.load_seconds.labels(cfg.model_name, phase).set(seconds)
 
     try:
         serve(

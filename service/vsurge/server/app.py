@@ -183,7 +183,7 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
         self.models[name] = entry
         self.metrics.add_model(name, surge)
         if load_seconds is not None:
-            self.metrics.load_seconds.labels(name).set(load_seconds)
+            self.metrics.load_seconds.labels(name, "total").set(load_seconds)
         return entry
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
@@ -195,6 +195,7 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
             entry.surge.compile(progress)
             seconds = time.perf_counter() - t0
             self.metrics.compile_seconds.labels(name).set(seconds)
+            self.metrics.load_seconds.labels(name, "compile").set(seconds)
             say(f"compiled {name} in {seconds:.1f}s")
             entry.surge.start()
         self.mark_ready()

@@ -112,6 +112,20 @@ _COUNTERS = (
 )
 
 
+class _DownloadCollector(Collector):
+    """vsurge_model_download_bytes_total{store}: bytes fetched from each model store by this process."""
+
+    def collect(self) -> Iterator[Metric]:
+        from vsurge.models.sources.progress import download_bytes
+
+        fam = CounterMetricFamily(
+            "vsurge_model_download_bytes", "Bytes of model files downloaded, by store.", labels=["store"]
+        )
+        for store, n in sorted(download_bytes().items()):
+            fam.add_metric([store], n)
+        yield fam
+
+
 class _EngineCollector(Collector):
     """Reads every model's DriverMetrics when Prometheus scrapes; nothing is stored between scrapes."""
 
@@ -197,7 +211,10 @@ class ServerMetrics:
             registry=r,
         )
         self.load_seconds = Gauge(
-            "vsurge_model_load_seconds", "Seconds spent loading the model.", ["model"], registry=r
+            "vsurge_model_load_seconds",
+            "Seconds spent loading the model, by phase: download, place (on devices), compile, total.",
+            ["model", "phase"],
+            registry=r,
         )
         self.compile_seconds = Gauge(
             "vsurge_compile_seconds", "Seconds spent compiling every shape at warm-up.", ["model"], registry=r
@@ -212,6 +229,7 @@ class ServerMetrics:
             "vsurge_http_requests_in_flight", "Generation requests the server is answering now.", registry=r
         )
         r.register(_EngineCollector(self))
+        r.register(_DownloadCollector())
 
     # ------------------------------------------------------------------ wiring
     def add_model(self, name: str, surge: Any) -> None:
