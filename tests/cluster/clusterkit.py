@@ -196,3 +196,64 @@ def kubectl(kubeconfig: Path, *args: str) -> str | None:
 
 def dump(obj: Any) -> str:
     return yaml.safe_dump(obj, sort_keys=False)
+
+
+# ------------------------------------------------------------------------------------------- the chart
+
+HELM_KIND_ORDER = [  # Helm's install order (pkg/releaseutil/kind_sorter.go), the kinds the chart renders
+    "Namespace", "NetworkPolicy", "ResourceQuota", "LimitRange", "PodSecurityPolicy", "PodDisruptionBudget",
+    "ServiceAccount", "Secret", "SecretList", "ConfigMap", "StorageClass", "PersistentVolume",
+    "PersistentVolumeClaim", "CustomResourceDefinition", "ClusterRole", "ClusterRoleList",
+    "ClusterRoleBinding", "ClusterRoleBindingList", "Role", "RoleList", "RoleBinding", "RoleBindingList",
+    "Service", "DaemonSet", "Pod", "ReplicationController", "ReplicaSet", "Deployment",
+    "HorizontalPodAutoscaler", "StatefulSet", "Job", "CronJob", "IngressClass", "Ingress", "APIService",
+]
+
+
+def helm_order(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Objects in the order `helm install` creates them (unknown kinds, e.g. custom resources, last)."""
+    rank = {k: i for i, k in enumerate(HELM_KIND_ORDER)}
+    return sorted(objects, key=lambda o: rank.get(o["kind"], len(rank)))
+
+
+def render_chart(values: dict[str, Any] | None, namespace: str) -> Any:
+    """The chart rendered by Helm's own engine (tests/helm/chartkit.py)."""
+    import helm_python
+
+    sys.path.insert(0, str(REPO / "tests" / "helm"))
+    from chartkit import CHART_DIR, render
+
+    chart = helm_python.Chart.load(CHART_DIR)
+    try:
+        return render(chart, values, namespace)
+    finally:
+        chart.close()
+
+
+def server_side_apply(api_client: Any, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+    """`kubectl apply --server-side [--dry-run=server]` of one object, the resource found by discovery."""
+    from kubernetes.dynamic import DynamicClient
+
+    dyn = DynamicClient(api_client)
+    res = dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+    kwargs: dict[str, Any] = {"field_manager": "vsurge-tests", "force_conflicts": True}
+    if dry_run:
+        kwargs["dry_run"] = "All"
+    ns = obj["metadata"].get("namespace") if res.namespaced else None
+    return dyn.server_side_apply(res, body=obj, name=obj["metadata"]["name"], namespace=ns, **kwargs).to_dict()
+
+
+def service_account_token(api: kube.Kube, namespace: str, name: str, timeout: float = 30) -> str:
+    """The token of a ServiceAccount: 1.20's controller-manager writes it into a Secret of its own."""
+    import base64
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sa = api.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
+        for ref in sa.get("secrets") or []:
+            secret = api.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{ref['name']}")
+            token = (secret.get("data") or {}).get("token")
+            if token:
+                return base64.b64decode(token).decode()
+        time.sleep(0.2)
+    raise AssertionError(f"no token for ServiceAccount {namespace}/{name}")

@@ -1,0 +1,131 @@
+"""RBAC enforced by the real authorizer: the chart's ServiceAccounts, ClusterRoles and bindings (rendered by
+Helm's engine with the default values, applied in Helm's order) and the tokens the controller-manager issues
+for them. The operator (`python -m vsurge_operator --all-namespaces`, as the chart runs it) and the router
+(`vsurge route`) run with those tokens, not as admin: none of their calls may be forbidden while they do
+their whole job (reconcile, status, events, scale from zero through the router), and calls outside their
+tables are refused with 403.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from clusterkit import (
+    IM,
+    Kubelet,
+    clean_env,
+    condition,
+    helm_order,
+    inference_model,
+    render_chart,
+    server_side_apply,
+    service_account_token,
+    start_operator,
+    vsurge_command,
+)
+from conftest import wait_for
+from kmock_harness import LoggedProcess, free_port
+from kubernetes.client.exceptions import ApiException
+
+from vsurge_operator import kube
+
+pytestmark = pytest.mark.timeout(180)
+
+RELEASE_NS = "vsurge-system"
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+def _forbidden(api: kube.Kube, method: str, path: str, body: Any = None, **kw: Any) -> bool:
+    try:
+        api.request(method, path, body, **kw)
+    except ApiException as e:
+        if e.status == 403:
+            assert "forbidden" in json.loads(e.body)["message"]
+            return True
+        raise AssertionError(f"{method} {path}: {e.status}, expected 403") from e
+    return False
+
+
+def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, tmp_path):
+    admin = k8s.kube()
+    rendered = render_chart({}, RELEASE_NS)
+    admin.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": RELEASE_NS}})
+    rbac = [o for o in helm_order(rendered.objects) if o["kind"] in RBAC_KINDS]
+    assert {o["kind"] for o in rbac} >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+    api_client = k8s.api_client()
+    for obj in rbac:
+        server_side_apply(api_client, obj)
+    sa = {o["metadata"]["name"] for o in rbac if o["kind"] == "ServiceAccount"}
+    assert sa == {"vsurge-operator", "vsurge-router"}
+    configs = {
+        name: k8s.token_kubeconfig(tmp_path / f"{name}.kubeconfig", service_account_token(admin, RELEASE_NS, name), RELEASE_NS)
+        for name in sa
+    }
+    as_operator = kube.Kube(_client(configs["vsurge-operator"]))
+    as_router = kube.Kube(_client(configs["vsurge-router"]))
+
+    # Least privilege, proven by the server's authorizer: outside the tables -> 403.
+    ns_path = f"/api/v1/namespaces/{namespace}"
+    assert _forbidden(as_operator, "GET", f"{ns_path}/secrets")
+    assert _forbidden(as_operator, "DELETE", f"/apis/vsurge.io/v1alpha1/namespaces/{namespace}/inferencemodels/x")
+    assert _forbidden(as_operator, "POST", f"{ns_path}/pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "i"}]}})
+    assert _forbidden(as_router, "GET", f"{ns_path}/secrets")
+    assert _forbidden(as_router, "GET", f"/apis/apps/v1/namespaces/{namespace}/deployments")
+    assert _forbidden(as_router, "PATCH", f"/apis/vsurge.io/v1alpha1/namespaces/{namespace}/inferencemodels/x", {"spec": {"replicas": 5}}, content_type=kube.MERGE_PATCH)
+    assert _forbidden(as_router, "PATCH", f"/apis/vsurge.io/v1alpha1/namespaces/{namespace}/inferencemodels/x/status", {"status": {}}, content_type=kube.MERGE_PATCH)
+
+    kubelet = Kubelet(admin, namespace).start()
+    operator = start_operator(configs["vsurge-operator"], tmp_path / "operator.log", "--all-namespaces")
+    port = free_port()
+    router = LoggedProcess(
+        [*vsurge_command(), "route", "--host=127.0.0.1", f"--port={port}", "--wake-timeout-seconds=3", "--log-level=info"],
+        tmp_path / "router.log",
+        clean_env(KUBECONFIG=str(configs["vsurge-router"])),
+    ).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        router.wait_http(f"{url}/readiness", timeout=60)
+        admin.create(IM, namespace, inference_model("served", namespace, replicas=1))
+        admin.create(IM, namespace, inference_model("sleepy", namespace, replicas=0))
+        wait_for(lambda: (admin.get(IM, namespace, "served") or {}).get("status", {}).get("readyReplicas") == 1, 30, message="served ready")
+        wait_for(lambda: _models(url) == {"served": True, "sleepy": False}, 20, message="router sees both")
+
+        # Scale from zero through the router's own token: the router patches /scale, the operator follows.
+        # The pod is held back until the router gives up (503), so that the router never connects to the
+        # model's in-cluster Service name (no DNS here; traffic stays on loopback).
+        kubelet.paused.set()
+        response = httpx.post(f"{url}/v1/completions", json={"model": "sleepy", "prompt": "hi"}, timeout=40)
+        assert response.status_code == 503 and response.headers.get("retry-after"), response.text
+        assert admin.get(IM, namespace, "sleepy")["spec"]["replicas"] == 1, response.text
+        wait_for(lambda: admin.get(kube.DEPLOYMENT, namespace, "sleepy")["spec"]["replicas"] == 1, 20, message="operator followed")
+        kubelet.paused.clear()
+        wait_for(lambda: (admin.get(IM, namespace, "sleepy") or {}).get("status", {}).get("readyReplicas") == 1, 30, message="woken")
+        wait_for(lambda: _models(url).get("sleepy") is True, 20, message="router sees it ready")
+        assert condition(admin.get(IM, namespace, "served"), "Degraded")["status"] == "False"
+        # kopf's own calls (CRD and namespace watches, finalizers, events) went through too.
+        assert any(e.get("reason") == "Created" for e in admin.list(kube.Resource("v1", "events", "Event"), namespace))
+        admin.delete(IM, namespace, "served")
+        wait_for(lambda: admin.get(IM, namespace, "served") is None, 20, message="finalizer removed by the operator")
+    finally:
+        router.stop()
+        operator.stop()
+        kubelet.stop()
+    for name, log in (("operator", operator.log()), ("router", router.log())):
+        assert " 403" not in log and "Forbidden" not in log and "forbidden" not in log, f"{name} was refused:\n{log[-3000:]}"
+
+
+def _client(kubeconfig):
+    import kubernetes
+
+    return kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+
+
+def _models(url: str) -> dict[str, bool]:
+    try:
+        data = httpx.get(f"{url}/v1/models", timeout=5).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError):
+        return {}
+    return {m["id"]: m.get("ready") for m in data}
