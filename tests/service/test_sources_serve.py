@@ -9,13 +9,26 @@ import sys
 import time
 
 import httpx
+import pytest
 from sources_servers import upload_dir
 
 
 def _serve(model: str, tmp_path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "VSURGE_TERMINATION_LOG": str(tmp_path / "termination-log")}
     return subprocess.Popen(
-        [sys.executable, "-m", "vsurge.cli", "serve", "--model", model, "--port", "0", "--metrics-port", "-1", *extra],
+        [
+            sys.executable,
+            "-m",
+            "vsurge.cli",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            *extra,
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -32,10 +45,19 @@ def test_serve_exits_nonzero_with_the_source_error(s3, tmp_path):
     assert message.startswith("ModelSourceError: s3://no-such-bucket/llama: bucket does not exist"), message
 
 
+@pytest.mark.slow  # compiles every bucket: ~2 min on 2 cores
 def test_serve_a_model_from_s3(s3, sharded_ckpt, tmp_path):
     upload_dir(s3, "serve", "tiny", sharded_ckpt)
-    proc = _serve("s3://serve/tiny", tmp_path, "--max-length", "64", "--prefill-lengths", "16,32",
-                  "--max-concurrent-decodes", "2")
+    proc = _serve(
+        "s3://serve/tiny",
+        tmp_path,
+        "--max-length",
+        "64",
+        "--prefill-lengths",
+        "16,32",
+        "--max-concurrent-decodes",
+        "2",
+    )
     try:
         url, lines = None, []
         deadline = time.monotonic() + 240
@@ -50,8 +72,11 @@ def test_serve_a_model_from_s3(s3, sharded_ckpt, tmp_path):
         assert url, "".join(lines)
         text = "".join(lines)
         assert "s3://serve/tiny: downloading" in text and "s3://serve/tiny: downloaded" in text
-        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "The capital", "max_tokens": 4,
-                                                     "temperature": 0}, timeout=60)
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": "The capital", "max_tokens": 4, "temperature": 0},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert 'vsurge_model_download_bytes_total{store="s3"}' in metrics
