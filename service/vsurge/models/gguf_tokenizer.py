@@ -308,7 +308,7 @@ def _merges_from_scores(
 
 
 def _add_special_tokens(tokenizer, spec: dict[str, Any]) -> None:
-    """Control tokens (and bos/eos/unk/pad) as special added tokens, user-defined ones as plain added tokens:
+    """Control tokens as special added tokens, user-defined ones as plain added tokens:
     llama.cpp matches both whole in the text instead of cutting them into pieces."""
     from tokenizers import AddedToken
 
@@ -322,14 +322,12 @@ def _add_special_tokens(tokenizer, spec: dict[str, Any]) -> None:
         # text is not a token of the vocabulary; adding it would append a new id past the model's vocabulary.
         return token in vocab and (alphabet is None or set(token) <= alphabet)
 
-    special_ids = [i for i, t in enumerate(types) if t == CONTROL]
-    for key in ("bos", "eos", "unk", "pad"):
-        if spec[key] is not None and spec[key] not in special_ids:
-            special_ids.append(spec[key])
+    # bos/eos/unk/pad are not added here: the transformers wrapper makes them special tokens, as it does for
+    # transformers' own GGUF route (a pad id pointing at an ordinary token then behaves the same in both).
     special = [
-        AddedToken(tokens[i], normalized=False, special=True)
-        for i in sorted(special_ids)
-        if usable(tokens[i])
+        AddedToken(token, normalized=False, special=True)
+        for token, t in zip(tokens, types, strict=False)
+        if t == CONTROL and usable(token)
     ]
     if special:
         tokenizer.add_special_tokens(special)
