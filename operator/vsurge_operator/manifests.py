@@ -212,6 +212,9 @@ def container(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
         "env": env(model),
         "resources": resources(model),
         "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}],
+        # `vsurge serve` writes why it stopped (e.g. "ModelSourceError: s3://...: access denied") to
+        # /dev/termination-log; without it the log tail stands in. The operator reads it into status.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if model.image_pull_policy:
         c["imagePullPolicy"] = model.image_pull_policy

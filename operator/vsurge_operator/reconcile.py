@@ -107,9 +107,25 @@ class Reconciler:
             outcome.removed.append(old_kind)
             self.events(body, "Normal", "Deleted", f"Deleted {old_kind} {name} (replaced by {new_kind})")
 
-        new = status.reconciled(model, outcome.applied[0].live, previous, now)
+        pods = self._pods(model)
+        new = status.reconciled(model, outcome.applied[0].live, previous, now, pods)
         outcome.status_patch = self._write_status(body, new)
+        degraded = status.source_error(pods)
+        was = next((c for c in previous.get("conditions") or [] if c.get("type") == status.DEGRADED), {})
+        if degraded and (was.get("reason"), was.get("message")) != (status.MODEL_SOURCE_ERROR, degraded):
+            self.events(body, "Warning", status.MODEL_SOURCE_ERROR, degraded)
         return outcome
+
+    def _pods(self, model: specmod.ModelSpec) -> list[dict[str, Any]] | None:
+        """The model's pods (for their termination messages); None when they cannot be read."""
+        want = manifests.selector_labels(model)
+        try:
+            items = self.api.list(kube.POD, model.namespace, label_selector=manifests.selector_string(model))
+        except ApiException as e:
+            logger.debug("could not list the pods of %s: %s", model.name, describe(e))
+            return None
+        labels = lambda p: (p.get("metadata") or {}).get("labels") or {}
+        return [p for p in items if all(labels(p).get(k) == v for k, v in want.items())]
 
     def _write_status(self, body: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any] | None:
         patch = status.status_patch(body.get("status"), new)

@@ -63,10 +63,38 @@ def workload_counts(workload: Mapping[str, Any] | None) -> tuple[int, int, int]:
     )
 
 
+MODEL_SOURCE_ERROR = "ModelSourceError"
+_SOURCE_ERROR_PREFIX = f"{MODEL_SOURCE_ERROR}: "
+
+
+def source_error(pods: Sequence[Mapping[str, Any]] | None) -> str | None:
+    """The message of a model-source failure reported by a pod that is not ready, else None.
+
+    ``vsurge serve`` exits non-zero when its model cannot be fetched or read and writes
+    ``ModelSourceError: <source>: <cause>`` to its termination log; the kubelet publishes it as the
+    container's ``state.terminated.message`` (or ``lastState`` once it restarts, in CrashLoopBackOff).
+    """
+    for pod in sorted(pods or [], key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            if cs.get("ready"):
+                continue  # it recovered; an old lastState is history
+            for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+                message = str((state.get("terminated") or {}).get("message") or "").strip()
+                if message.startswith(_SOURCE_ERROR_PREFIX):
+                    name = (pod.get("metadata") or {}).get("name", "")
+                    return f"pod {name}: {message[len(_SOURCE_ERROR_PREFIX) :]}"[:1024]
+    return None
+
+
 def reconciled(
-    model: ModelSpec, workload: Mapping[str, Any] | None, previous: Mapping[str, Any] | None, now: str
+    model: ModelSpec,
+    workload: Mapping[str, Any] | None,
+    previous: Mapping[str, Any] | None,
+    now: str,
+    pods: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Status after a successful reconcile: counts from the workload, the endpoint, and conditions."""
+    """Status after a successful reconcile: counts from the workload, the endpoint, and conditions
+    (Degraded/ModelSourceError when one of ``pods`` could not load its model)."""
     previous = previous or {}
     desired = model.desired_replicas()
     replicas, ready, updated = workload_counts(workload)
@@ -93,7 +121,11 @@ def reconciled(
     else:
         progressing = condition(PROGRESSING, False, "Stable", f"{kind} has {desired} ready replicas", gen)
 
-    degraded = condition(DEGRADED, False, "AsExpected", "", gen)
+    bad_source = source_error(pods)
+    if bad_source:
+        degraded = condition(DEGRADED, True, MODEL_SOURCE_ERROR, bad_source, gen)
+    else:
+        degraded = condition(DEGRADED, False, "AsExpected", "", gen)
     return {
         "observedGeneration": gen,
         "replicas": replicas,
