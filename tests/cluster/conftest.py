@@ -219,11 +219,25 @@ class TinyServer:
 _tiny: dict[str, Any] = {}
 
 
-def _start_tiny(root: Path) -> None:
+def _ports_free(ip: str) -> bool:
+    import socket
+
+    for port in (11556, 11557):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((ip, port))
+            except OSError:
+                return False
+    return True
+
+
+def _start_tiny(root: Path, ip: str | None = None) -> None:
     from clusterkit import clean_env, next_pod_ip, vsurge_command
     from kmock_harness import LoggedProcess
 
-    ip = next_pod_ip()
+    ip = ip or next_pod_ip()
+    _tiny["root"] = root
     model_dir = root / "tiny"
     # The checkpoint is written by the child (torch is slow to import), then it becomes `vsurge serve`.
     script = (
@@ -264,5 +278,19 @@ def _prestart_tiny_server(request: pytest.FixtureRequest, tmp_path_factory: pyte
 def tiny_server() -> TinyServer:
     server = _tiny.get("server")
     assert server is not None, "the tiny server was not started (see _prestart_tiny_server)"
-    server.proc.wait_http(f"{server.url}/readiness", timeout=240)
-    return server
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            server.proc.wait_http(f"{server.url}/readiness", timeout=max(1, deadline - time.monotonic()))
+            return server
+        except AssertionError as e:
+            # The pod ports are fixed (11556/11557, as in the operator's pod spec): a `vsurge serve` of
+            # someone else on 0.0.0.0 holds them on every IP. Wait for it to go, loudly, then start again.
+            if "Address already in use" not in str(e) or time.monotonic() > deadline:
+                raise
+            print(f"ports 11556/11557 of {server.ip} are taken (a vsurge serve on 0.0.0.0?); waiting")
+            while not _ports_free(server.ip):
+                assert time.monotonic() < deadline, f"ports 11556/11557 of {server.ip} stayed taken"
+                time.sleep(1)
+            _start_tiny(_tiny["root"], server.ip)
+            server = _tiny["server"]
