@@ -282,6 +282,88 @@ def test_sentencepiece_vocabulary_equals_transformers(tmp_path, add_bos):
     )
 
 
+# --------------------------------------------------------------------------------------------------
+# Byte-level vocabularies with other `tokenizer.ggml.pre` splits, in GGUFs written here
+
+
+def _byte_spelling() -> dict[int, str]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return bytes_to_unicode()
+
+
+BPE_MERGES = [
+    "1 2",
+    "12 3",
+    "Ġ 1",
+    "Ġ Ġ",
+    "h e",
+    "Ġ t",
+    "Ġt he",
+    "l l",
+    "ll o",
+    "' s",
+    "W O",
+    "Ġ \n",
+    "\n \n",
+]
+BPE_MERGES = [m.replace("\n", "Ċ") for m in BPE_MERGES]
+BPE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BPE_TEXTS = [
+    "12345 hello the  1 x's\n\n 9876543210",
+    "  123",
+    "Hello WORLD's 1234567 abc123def",
+    "<|im_start|>user\n123<|im_end|>\n",
+    "héllo 日本 😀 ①②",
+    "a\n\n\nb   \n c",
+]
+
+
+def write_bpe_gguf(path: Path, pre: str) -> Path:
+    spell = _byte_spelling()
+    tokens = [spell[b] for b in range(256)] + [m.replace(" ", "") for m in BPE_MERGES] + BPE_SPECIALS
+    types = [1] * (len(tokens) - len(BPE_SPECIALS)) + [3] * len(BPE_SPECIALS)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(BPE_MERGES)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("pre", ["default", "gpt-2", "qwen2", "llama-bpe", "gpt-4o", "an-unknown-pre"])
+def test_byte_level_pre_tokenizers_equal_transformers(tmp_path, pre):
+    from transformers import AutoTokenizer
+
+    path = write_bpe_gguf(tmp_path / "bpe.gguf", pre)
+    ours = load_gguf_tokenizer(path)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in BPE_TEXTS:
+        assert ours.encode(text) == ref.encode(text), (pre, text)
+        assert ours.decode(ours.encode(text)) == text
+    assert ours.get_vocab() == ref.get_vocab()
+
+
+def test_byte_level_pre_tokenizers_differ_as_llama_cpp_does(tmp_path):
+    """The splits really are applied: the same vocabulary cuts digits three ways."""
+    cuts = {}
+    for pre in ("default", "qwen2", "llama-bpe", "smollm"):
+        tok = load_gguf_tokenizer(write_bpe_gguf(tmp_path / f"{pre}.gguf", pre))
+        cuts[pre] = tok.tokenize(" 4123")
+    assert cuts["default"] == ["Ġ", "4", "123"]  # " ?\p{N}+": one piece, merged by BPE
+    assert cuts["qwen2"] == ["Ġ", "4", "1", "2", "3"]  # one digit at a time
+    assert cuts["llama-bpe"] == ["Ġ", "4", "12", "3"]  # up to three digits: "412", "3"
+    assert cuts["smollm"] == cuts["qwen2"]
+
+
 def test_unsupported_tokenizer_model_is_a_checkpoint_error(tmp_path):
     path = tmp_path / "odd.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

@@ -78,8 +78,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     No torch: the vocabulary is read with our GGUF reader and built with `tokenizers`. Raises `CheckpointError`
     (naming the file) for a missing file, missing tokenizer metadata or an unsupported tokenizer model.
     """
-    from transformers import PreTrainedTokenizerFast
-
+    PreTrainedTokenizerFast = _transformers_fast_tokenizer()
     path = Path(path)
     spec = _read_spec(path)
     try:
@@ -103,6 +102,27 @@ def gguf_backend_tokenizer(path: str | os.PathLike):
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def _transformers_fast_tokenizer():
+    """transformers' PreTrainedTokenizerFast. Where torch is not installed (the service's own venv),
+    importing transformers first prints "PyTorch was not found. Models won't be available ...": true and
+    expected here (no transformers model is used), so that one advisory line is silenced while importing."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        before = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+        try:
+            import transformers  # noqa: F401
+        finally:
+            if before is None:
+                os.environ.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+            else:
+                os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = before
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast
 
 
 def _read_spec(path: Path) -> dict[str, Any]:
