@@ -30,6 +30,7 @@ APP_NAME = "vsurge-server"
 CONTAINER_NAME = "server"
 CACHE_DIR = "/var/cache/vsurge"
 MODEL_MOUNT = "/mnt/models"
+CREDENTIALS_DIR = "/var/run/secrets/vsurge/model-credentials"
 
 # Loading weights and compiling every bucket takes minutes on a large slice; the startup probe gives the
 # server up to 30 minutes before the liveness probe takes over.
@@ -147,6 +148,8 @@ def env(model: ModelSpec) -> list[dict[str, Any]]:
     ]
     out += [_value_env(k, v) for k, v in optional if v is not None]
     out.append(_value_env("VSURGE_CACHE_DIR", CACHE_DIR))
+    if model.credentials_secret:
+        out.append(_value_env("VSURGE_CREDENTIALS_DIR", CREDENTIALS_DIR))
     if model.tracing is not None:
         t = model.tracing
         out += [
@@ -220,11 +223,28 @@ def container(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
         c["imagePullPolicy"] = model.image_pull_policy
     if pvc_claim(model.source):
         c["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if model.credentials_secret:
+        # Every key of the Secret that is a valid variable name becomes one (AWS_*, HF_TOKEN, ...); the
+        # files (a GCS key.json) are mounted too.
+        c["envFrom"] = [{"secretRef": {"name": model.credentials_secret}}]
+        c["volumeMounts"].append(
+            {"name": "model-credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True}
+        )
     if probes:
         c["startupProbe"] = _probe("/liveness", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD)
         c["livenessProbe"] = _probe("/liveness", 10, 6)
         c["readinessProbe"] = _probe("/readiness", 5, 3)
     return c
+
+
+def cache_volume(model: ModelSpec) -> dict[str, Any]:
+    """The model cache (VSURGE_CACHE_DIR): an existing PVC, or an emptyDir capped at spec.cache.sizeLimit."""
+    if model.cache_claim:
+        return {"name": "cache", "persistentVolumeClaim": {"claimName": model.cache_claim}}
+    return {
+        "name": "cache",
+        "emptyDir": {"sizeLimit": model.cache_size_limit} if model.cache_size_limit else {},
+    }
 
 
 def node_selector(model: ModelSpec) -> dict[str, str]:
@@ -248,8 +268,15 @@ def pod_template(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "containers": [container(model, probes=probes)],
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-        "volumes": [{"name": "cache", "emptyDir": {}}],
+        "volumes": [cache_volume(model)],
     }
+    if model.credentials_secret:
+        pod_spec["volumes"].append(
+            {
+                "name": "model-credentials",
+                "secret": {"secretName": model.credentials_secret, "defaultMode": 0o440},
+            }
+        )
     claim = pvc_claim(model.source)
     if claim:
         pod_spec["volumes"].append(

@@ -88,6 +88,9 @@ class ModelSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     service_account_name: str | None = None
+    credentials_secret: str | None = None  # spec.model.credentialsSecret
+    cache_size_limit: str | None = None  # spec.cache.sizeLimit (emptyDir)
+    cache_claim: str | None = None  # spec.cache.claimName (PVC)
 
     @property
     def multi_host(self) -> bool:
@@ -183,4 +186,9 @@ def parse(body: Mapping[str, Any], *, default_image: str | None = None) -> Model
         node_selector=spec.get("nodeSelector") or {},
         tolerations=tuple(spec.get("tolerations") or ()),
         service_account_name=spec.get("serviceAccountName"),
+        credentials_secret=model.get("credentialsSecret"),
+        cache_size_limit=None
+        if (spec.get("cache") or {}).get("sizeLimit") is None
+        else str(spec["cache"]["sizeLimit"]),
+        cache_claim=(spec.get("cache") or {}).get("claimName"),
     )

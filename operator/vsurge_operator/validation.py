@@ -155,6 +155,7 @@ def validate(body: Mapping[str, Any], *, default_image: str | None = None) -> li
             c.fail("spec.model.source", "is required")
         c.string(model.get("source"), "spec.model.source", SOURCE_PATTERN)
         c.string(model.get("servedName"), "spec.model.servedName", SERVED_NAME_PATTERN)
+        c.string(model.get("credentialsSecret"), "spec.model.credentialsSecret", DNS1123_SUBDOMAIN)
 
     c.string(spec.get("image"), "spec.image")
     if spec.get("image") == "":
@@ -359,3 +360,12 @@ def _validate_pod_overrides(c: _Checker, spec: Mapping[str, Any], placement: tpu
                 c.string(t.get("value"), f"spec.tolerations[{i}].value")
                 c.integer(t.get("tolerationSeconds"), f"spec.tolerations[{i}].tolerationSeconds")
     c.string(spec.get("serviceAccountName"), "spec.serviceAccountName", DNS1123_SUBDOMAIN)
+    cache = c.mapping(spec.get("cache"), "spec.cache")
+    limit = cache.get("sizeLimit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | str)):
+        c.fail("spec.cache.sizeLimit", "must be a quantity (a string, or an integer)")
+    elif isinstance(limit, str) and not re.fullmatch(QUANTITY_PATTERN, limit):
+        c.fail("spec.cache.sizeLimit", f"{limit!r} is not a Kubernetes quantity")
+    c.string(cache.get("claimName"), "spec.cache.claimName", DNS1123_SUBDOMAIN)
+    if limit is not None and cache.get("claimName") is not None:
+        c.fail("spec.cache", "set cache.sizeLimit (an emptyDir) or cache.claimName (a PVC), not both")

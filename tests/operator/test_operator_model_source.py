@@ -109,3 +109,96 @@ def test_source_error_in_termination_message_degrades_the_model(
         30,
         message="Degraded cleared",
     )
+
+
+# ------------------------------------------------------------------ credentials, service account, cache
+
+
+def _spec(**spec):
+    from operator_harness import inference_model
+
+    from vsurge_operator import spec as specmod
+
+    body = inference_model("llama", "models", **spec)
+    body["metadata"]["uid"] = "u1"
+    return body, specmod.parse(body)
+
+
+def test_credentials_secret_becomes_env_and_a_mounted_directory():
+    from vsurge_operator import validation
+
+    body, model = _spec(
+        model={"source": "s3://private/llama", "credentialsSecret": "llama-s3"},
+        serviceAccountName="llama-reader",
+    )
+    assert validation.validate(body) == []
+    pod = manifests.pod_template(model)["spec"]
+    c = pod["containers"][0]
+    assert c["envFrom"] == [{"secretRef": {"name": "llama-s3"}}]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert (
+        env["VSURGE_CREDENTIALS_DIR"] == manifests.CREDENTIALS_DIR
+        and env["VSURGE_MODEL"] == "s3://private/llama"
+    )
+    assert {"name": "model-credentials", "mountPath": manifests.CREDENTIALS_DIR, "readOnly": True} in c[
+        "volumeMounts"
+    ]
+    assert {"name": "model-credentials", "secret": {"secretName": "llama-s3", "defaultMode": 0o440}} in pod[
+        "volumes"
+    ]
+    assert pod["serviceAccountName"] == "llama-reader"
+    _, plain = _spec(model={"source": "gs://public/llama"})
+    c = manifests.pod_template(plain)["spec"]["containers"][0]
+    assert "envFrom" not in c and "VSURGE_CREDENTIALS_DIR" not in {e["name"] for e in c["env"]}
+
+
+def test_cache_is_an_emptydir_with_a_size_limit_or_a_pvc():
+    _, default = _spec()
+    assert manifests.pod_template(default)["spec"]["volumes"][0] == {"name": "cache", "emptyDir": {}}
+    _, sized = _spec(cache={"sizeLimit": "200Gi"})
+    assert manifests.pod_template(sized)["spec"]["volumes"][0] == {
+        "name": "cache",
+        "emptyDir": {"sizeLimit": "200Gi"},
+    }
+    _, claimed = _spec(cache={"claimName": "model-cache"})
+    assert manifests.pod_template(claimed)["spec"]["volumes"][0] == {
+        "name": "cache",
+        "persistentVolumeClaim": {"claimName": "model-cache"},
+    }
+    mounts = manifests.pod_template(claimed)["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "cache", "mountPath": manifests.CACHE_DIR} in mounts
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"cache": {"sizeLimit": "lots"}}, "spec.cache.sizeLimit"),
+        ({"cache": {"sizeLimit": "10Gi", "claimName": "c"}}, "spec.cache"),
+        ({"cache": {"claimName": "Bad_Name"}}, "spec.cache.claimName"),
+        ({"model": {"source": "s3://b/m", "credentialsSecret": "No Such"}}, "spec.model.credentialsSecret"),
+    ],
+)
+def test_bad_cache_and_credentials_fields_are_rejected(spec, field):
+    import jsonschema
+
+    from vsurge_operator import crd, validation
+
+    body, _ = _spec(**spec)
+    assert field in [e.field for e in validation.validate(body)]
+    if (
+        field != "spec.cache"
+    ):  # the both-set rule is CEL (x-kubernetes-validations), checked by the API server
+        schema = crd.openapi_schema(crd.load_crd())
+        errors = list(jsonschema.Draft7Validator(schema).iter_errors(body))
+        assert errors, f"the CRD schema accepted {spec}"
+
+
+def test_crd_patterns_match_the_operator():
+    from vsurge_operator import crd, validation
+
+    props = crd.openapi_schema(crd.load_crd())["properties"]["spec"]["properties"]
+    assert props["model"]["properties"]["credentialsSecret"]["pattern"] == validation.DNS1123_SUBDOMAIN
+    assert props["cache"]["properties"]["claimName"]["pattern"] == validation.DNS1123_SUBDOMAIN
+    assert props["cache"]["properties"]["sizeLimit"]["pattern"] == validation.QUANTITY_PATTERN
+    rules = [r["rule"] for r in props["cache"]["x-kubernetes-validations"]]
+    assert rules == ["!(has(self.sizeLimit) && has(self.claimName))"]
