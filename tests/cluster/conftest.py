@@ -151,7 +151,20 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             cmd,
             check=True,
             timeout=300,
-            env={**os.environ, "K8SKIT_BIN_DIR": bin_dir},
+            env={
+                **os.environ,
+                "K8SKIT_BIN_DIR": bin_dir,
+                # As on OpenShift and hardened clusters: setting blockOwnerDeletion needs update on the
+                # owner's finalizers (the operator sets it on everything it creates).
+                "K8SKIT_APISERVER_ARGS": " ".join(
+                    a
+                    for a in (
+                        "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
+                        os.environ.get("K8SKIT_APISERVER_ARGS", ""),
+                    )
+                    if a
+                ),
+            },
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -129,3 +129,52 @@ def _models(url: str) -> dict[str, bool]:
     except (httpx.HTTPError, KeyError, ValueError):
         return {}
     return {m["id"]: m.get("ready") for m in data}
+
+
+def test_namespaced_operator_is_confined_to_its_namespaces(k8s, tmp_path):
+    """`watchNamespaces: [team-a, team-b]` (ci/namespaced-values.yaml): Roles in those two namespaces and a
+    read-only ClusterRole for kopf; the operator works in team-a and is refused anywhere else."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "tests" / "helm"))
+    from chartkit import load_values
+
+    admin = k8s.kube()
+    values = load_values("namespaced-values.yaml")
+    rendered = render_chart(values, "team-a")
+    watched = values["watchNamespaces"]
+    for ns in {"team-a", *watched, "elsewhere"}:
+        try:
+            admin.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        except ApiException as e:
+            assert e.status == 409
+    api_client = k8s.api_client()
+    for obj in helm_order(rendered.objects):
+        if obj["kind"] in RBAC_KINDS:
+            server_side_apply(api_client, obj)
+    (sa,) = [o["metadata"]["name"] for o in rendered.of_kind("ServiceAccount") if "operator" in o["metadata"]["name"]]
+    config = k8s.token_kubeconfig(tmp_path / "op.kubeconfig", service_account_token(admin, "team-a", sa), "team-a")
+    as_operator = kube.Kube(_client(config))
+    assert _forbidden(as_operator, "GET", "/apis/vsurge.io/v1alpha1/namespaces/elsewhere/inferencemodels")
+    assert _forbidden(as_operator, "GET", "/apis/vsurge.io/v1alpha1/inferencemodels")  # no cluster-wide list
+    assert _forbidden(as_operator, "GET", "/apis/apps/v1/namespaces/elsewhere/deployments")
+
+    kubelet = Kubelet(admin, "team-b").start()
+    operator = start_operator(config, tmp_path / "operator.log", *(f"--namespace={ns}" for ns in watched))
+    try:
+        admin.create(IM, "team-b", inference_model("confined", "team-b", replicas=1))
+        wait_for(lambda: (admin.get(IM, "team-b", "confined") or {}).get("status", {}).get("readyReplicas") == 1, 30, message="ready")
+        admin.create(IM, "elsewhere", inference_model("ignored", "elsewhere", replicas=1))
+        import time
+
+        time.sleep(3)  # an operator that watched "elsewhere" would have made its Deployment by now
+        assert admin.get(kube.DEPLOYMENT, "elsewhere", "ignored") is None
+        admin.delete(IM, "team-b", "confined")
+        wait_for(lambda: admin.get(IM, "team-b", "confined") is None, 20, message="finalizer removed")
+    finally:
+        operator.stop()
+        kubelet.stop()
+    log = operator.log()
+    assert " 403" not in log and "orbidden" not in log, log[-3000:]

@@ -165,6 +165,11 @@ Operator RBAC, one rule per (apiGroup, resource) so that it reads as the table t
 - apiGroups: ["vsurge.io"]
   resources: ["inferencemodels/scale"]
   verbs: ["get", "patch"]
+# blockOwnerDeletion on the owner references of what it creates: clusters with the
+# OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) require this.
+- apiGroups: ["vsurge.io"]
+  resources: ["inferencemodels/finalizers"]
+  verbs: ["update"]
 # What it creates for each model: the workload (single host or multi-host), its Service and PDB.
 - apiGroups: ["apps"]
   resources: ["deployments"]
