@@ -3,30 +3,38 @@
 `vsurge route --watch-timeout-seconds=1`: the server ends every watch after a second (kube-apiserver's
 timeoutSeconds, counted by its own apiserver_request_total), the router relists and watches again from the
 list's resourceVersion. Models are created, made ready, changed and deleted all the while, across many
-of those ends; the router's /v1/models must equal the truth every time, and a request reaches a real
-`vsurge serve` through it. The test plays the operator: it writes status.readyReplicas and
-status.endpoint (a loopback URL) through the status subresource.
+of those ends; the router's /v1/models must equal the truth every time, and requests reach the model's
+upstream (the router suite's FakeUpstream on loopback: this test is about discovery, the autoscaler test
+serves a real `vsurge serve`). The test plays the operator: it writes status.readyReplicas and
+status.endpoint through the status subresource.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
+
+import sys
 
 import httpx
-import openai
 import pytest
 from clusterkit import IM, clean_env, inference_model, vsurge_command
 from conftest import wait_for
 from kmock_harness import LoggedProcess, free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
+from router_helpers import FakeUpstream, ThreadedServer  # noqa: E402
+
 pytestmark = pytest.mark.timeout(120)
 
 
-def _completed_watches(api) -> int:
-    text = api.api.call_api(
-        "GET", api.api.configuration.host + "/metrics", header_params={"Accept": "text/plain"}
-    ).read().decode()
+def _completed_watches(k8s) -> int:
+    """Namespaced WATCH requests of inferencemodels the CRD server (0.36, which serves them) has completed."""
+    import kubernetes
+
+    ext = kubernetes.config.new_client_from_config(config_file=k8s.env["K8SKIT_EXT_KUBECONFIG"])
+    text = ext.call_api("GET", ext.configuration.host + "/metrics", header_params={"Accept": "text/plain"}).read().decode()
     total = 0
     for line in text.splitlines():
         if line.startswith("apiserver_request_total{") and 'resource="inferencemodels"' in line:
@@ -42,14 +50,22 @@ def _models(url: str) -> dict[str, bool] | None:
         return None
 
 
-def test_discovery_survives_watches_the_server_ends(k8s, namespace, tmp_path, tiny_server):
+def _ask(url: str, model: str) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hello"}, timeout=20)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_discovery_survives_watches_the_server_ends(k8s, namespace, tmp_path):
     api = k8s.kube()
+    upstream = FakeUpstream("first")
+    upstream.server = ThreadedServer(upstream.app()).start()
 
     def ready(name: str, endpoint: str) -> None:
         api.patch(IM, namespace, name, {"status": {"readyReplicas": 1, "endpoint": endpoint}}, subresource="status")
 
-    api.create(IM, namespace, inference_model("first", namespace, model={"source": "default", "servedName": tiny_server.served_name}))
-    ready("first", tiny_server.url)
+    api.create(IM, namespace, inference_model("first", namespace, model={"source": "default", "servedName": "first-model"}))
+    ready("first", upstream.url)
     port = free_port()
     router = LoggedProcess(
         [*vsurge_command(), "route", "--host=127.0.0.1", f"--port={port}", f"--namespace={namespace}",
@@ -60,40 +76,40 @@ def test_discovery_survives_watches_the_server_ends(k8s, namespace, tmp_path, ti
     url = f"http://127.0.0.1:{port}"
     try:
         router.wait_http(f"{url}/readiness", timeout=60)
-        wait_for(lambda: _models(url) == {tiny_server.served_name: True}, 20, message="listed at start")
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        reply = client.completions.create(model=tiny_server.served_name, prompt="Hello", max_tokens=4)
-        assert reply.choices[0].text is not None and reply.usage.completion_tokens == 4
+        wait_for(lambda: _models(url) == {"first-model": True}, 20, message="listed at start")
+        assert _ask(url, "first-model")["upstream"] == "first"
 
-        watches_before = _completed_watches(api)
-        expected = {tiny_server.served_name: True}
+        watches_before = _completed_watches(k8s)
+        truth = {"first": ["first-model", True]}  # InferenceModel -> [served name, ready]
         started = time.monotonic()
         # Changes spread over ~7 watch lifetimes: some land mid-watch, some while the router relists.
         for i in range(14):
             name = f"m{i}"
             api.create(IM, namespace, inference_model(name, namespace, model={"source": "default", "servedName": f"served-{i}"}))
-            expected[f"served-{i}"] = False
+            truth[name] = [f"served-{i}", False]
             if i % 3 == 1:
                 ready(name, f"http://127.0.0.{100 + i}:11556")
-                expected[f"served-{i}"] = True
+                truth[name][1] = True
             if i % 4 == 3:
                 api.delete(IM, namespace, f"m{i - 2}")
-                expected.pop(f"served-{i - 2}")
+                truth.pop(f"m{i - 2}")
             if i % 5 == 4:
                 api.patch(IM, namespace, name, {"spec": {"model": {"servedName": f"renamed-{i}"}}})
-                expected[f"renamed-{i}"] = expected.pop(f"served-{i}")
+                truth[name][0] = f"renamed-{i}"
             time.sleep(0.5)
+        expected = {served: ready_ for served, ready_ in truth.values()}
         wait_for(lambda: _models(url) == expected, 20, message=f"router's models == {expected}")
         elapsed = time.monotonic() - started
         # The server ended the router's watches (completed WATCH requests, by the server's own count).
-        ended = _completed_watches(api) - watches_before
+        ended = _completed_watches(k8s) - watches_before
         assert ended >= int(elapsed) // 2, (ended, elapsed)
         # Still right after a few more server-side ends, and still routing to the real server.
         time.sleep(2.5)
         assert _models(url) == expected
-        reply = client.completions.create(model=tiny_server.served_name, prompt="Hello", max_tokens=4)
-        assert reply.usage.completion_tokens == 4
+        assert _ask(url, "first-model")["upstream"] == "first"
+        assert len(upstream.requests) == 2
         assert router.proc.poll() is None
         assert not re.search(r"Traceback|ERROR", router.log()), router.log()[-3000:]
     finally:
         router.stop()
+        upstream.server.stop()
