@@ -145,3 +145,25 @@ def test_disk_full_before_any_transfer(s3, sharded_ckpt, tmp_path):
             vsurge.load_model("s3://models/big")
     finally:
         os.system(f"umount {small}")
+
+
+def test_unreachable_store_falls_back_to_the_cached_revision(s3, sharded_ckpt, monkeypatch, caplog):
+    upload_dir(s3, "models", "offline", sharded_ckpt)
+    from vsurge.models.sources import resolve
+
+    path = resolve("s3://models/offline")
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{dead}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    caplog.set_level("INFO", logger="vsurge.models.sources")
+    assert resolve("s3://models/offline") == path
+    assert any(
+        "unreachable" in r.getMessage() and "using the cached revision" in r.getMessage()
+        for r in caplog.records
+    )
+    with pytest.raises(ModelSourceError, match=r"^s3://models/never-cached: cannot reach the S3 endpoint"):
+        resolve("s3://models/never-cached")

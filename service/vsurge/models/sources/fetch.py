@@ -270,7 +270,7 @@ def _download(store: Store, staging: Path, wanted: list[RemoteFile]) -> None:
             except Exception as e:
                 if not _transient(e) or attempt == RETRIES - 1:
                     raise
-                progress.add(-got)
+                progress.rollback(got)
                 time.sleep(0.2 * 2**attempt)
         if p.chunk_done(i):
             how = p.finish(store)

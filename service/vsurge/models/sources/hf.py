@@ -41,7 +41,7 @@ def _classify(source: str, e: Exception, what: str) -> ModelSourceError:
         return ModelSourceError(source, f"repository not found (404, {what}){hint}", "not_found")
     if isinstance(e, he.RevisionNotFoundError):
         return ModelSourceError(source, f"revision not found (404, {what})", "not_found")
-    if isinstance(e, he.RemoteEntryNotFoundError):
+    if isinstance(e, getattr(he, "RemoteEntryNotFoundError", he.EntryNotFoundError)):
         return ModelSourceError(source, f"file not found (404, {what})", "not_found")
     if isinstance(e, he.HfHubHTTPError):
         status = getattr(getattr(e, "response", None), "status_code", None)

@@ -81,6 +81,11 @@ class Progress:
             self.received += n
         add_bytes(self.scheme, n)
 
+    def rollback(self, n: int) -> None:
+        """Bytes of a failed range that will be fetched again: they leave the progress, not the counter."""
+        with self._lock:
+            self.done -= n
+
     def line(self) -> str:
         with self._lock:
             done, received = self.done, self.received

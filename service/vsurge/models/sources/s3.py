@@ -8,6 +8,7 @@ MinIO, Ceph, R2 or moto, and IRSA / EKS Pod Identity web-identity tokens on a po
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import threading
 
@@ -70,7 +71,7 @@ class S3Store(Store):
         self.uri = uri
         self._config = Config(
             max_pool_connections=workers + 4,
-            retries={"max_attempts": 5, "mode": "standard"},
+            retries={"max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or 5), "mode": "standard"},
             connect_timeout=10,
             read_timeout=60,
         )
