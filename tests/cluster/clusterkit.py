@@ -65,7 +65,11 @@ def selector(model: str) -> str:
 
 
 def pods(api: kube.Kube, namespace: str, model: str) -> list[dict[str, Any]]:
-    return [p for p in api.list(kube.POD, namespace, selector(model)) if not p["metadata"].get("deletionTimestamp")]
+    return [
+        p
+        for p in api.list(kube.POD, namespace, selector(model))
+        if not p["metadata"].get("deletionTimestamp")
+    ]
 
 
 def events(api: kube.Kube, namespace: str, reason: str | None = None) -> list[dict[str, Any]]:
@@ -147,7 +151,11 @@ def start_operator(
     kubeconfig: Path, log_path: Path, *args: str, env: dict[str, str] | None = None
 ) -> OperatorProcess:
     """``python -m vsurge_operator`` against the cluster, with short intervals for tests."""
-    defaults = ["--resync-seconds=2", "--retry-delay-seconds=1", "--default-image=ghcr.io/vsurge-stack/vsurge-service:test"]
+    defaults = [
+        "--resync-seconds=2",
+        "--retry-delay-seconds=1",
+        "--default-image=ghcr.io/vsurge-stack/vsurge-service:test",
+    ]
     return OperatorProcess(kubeconfig, log_path, [*defaults, *args], env=env).start()
 
 
@@ -159,7 +167,11 @@ def vsurge_command() -> list[str]:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_", "KUBECONFIG"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_", "KUBECONFIG"))
+    }
     env.update(extra)
     return env
 
@@ -201,12 +213,41 @@ def dump(obj: Any) -> str:
 # ------------------------------------------------------------------------------------------- the chart
 
 HELM_KIND_ORDER = [  # Helm's install order (pkg/releaseutil/kind_sorter.go), the kinds the chart renders
-    "Namespace", "NetworkPolicy", "ResourceQuota", "LimitRange", "PodSecurityPolicy", "PodDisruptionBudget",
-    "ServiceAccount", "Secret", "SecretList", "ConfigMap", "StorageClass", "PersistentVolume",
-    "PersistentVolumeClaim", "CustomResourceDefinition", "ClusterRole", "ClusterRoleList",
-    "ClusterRoleBinding", "ClusterRoleBindingList", "Role", "RoleList", "RoleBinding", "RoleBindingList",
-    "Service", "DaemonSet", "Pod", "ReplicationController", "ReplicaSet", "Deployment",
-    "HorizontalPodAutoscaler", "StatefulSet", "Job", "CronJob", "IngressClass", "Ingress", "APIService",
+    "Namespace",
+    "NetworkPolicy",
+    "ResourceQuota",
+    "LimitRange",
+    "PodSecurityPolicy",
+    "PodDisruptionBudget",
+    "ServiceAccount",
+    "Secret",
+    "SecretList",
+    "ConfigMap",
+    "StorageClass",
+    "PersistentVolume",
+    "PersistentVolumeClaim",
+    "CustomResourceDefinition",
+    "ClusterRole",
+    "ClusterRoleList",
+    "ClusterRoleBinding",
+    "ClusterRoleBindingList",
+    "Role",
+    "RoleList",
+    "RoleBinding",
+    "RoleBindingList",
+    "Service",
+    "DaemonSet",
+    "Pod",
+    "ReplicationController",
+    "ReplicaSet",
+    "Deployment",
+    "HorizontalPodAutoscaler",
+    "StatefulSet",
+    "Job",
+    "CronJob",
+    "IngressClass",
+    "Ingress",
+    "APIService",
 ]
 
 
@@ -240,7 +281,9 @@ def server_side_apply(api_client: Any, obj: dict[str, Any], *, dry_run: bool = F
     if dry_run:
         kwargs["dry_run"] = "All"
     ns = obj["metadata"].get("namespace") if res.namespaced else None
-    return dyn.server_side_apply(res, body=obj, name=obj["metadata"]["name"], namespace=ns, **kwargs).to_dict()
+    return dyn.server_side_apply(
+        res, body=obj, name=obj["metadata"]["name"], namespace=ns, **kwargs
+    ).to_dict()
 
 
 def service_account_token(api: kube.Kube, namespace: str, name: str, timeout: float = 30) -> str:

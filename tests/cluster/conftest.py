@@ -56,7 +56,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "cluster test skipped" in str(r.longrepr)]
+    skipped = [
+        r for r in terminalreporter.stats.get("skipped", []) if "cluster test skipped" in str(r.longrepr)
+    ]
     if skipped:
         terminalreporter.write_line(f"{len(skipped)} cluster tests skipped: {skip_reason()}", yellow=True)
 
@@ -115,7 +117,10 @@ class Cluster:
                     "apiVersion": "v1",
                     "kind": "Config",
                     "clusters": [
-                        {"name": "k8skit", "cluster": {"server": self.server, "certificate-authority": self.ca}}
+                        {
+                            "name": "k8skit",
+                            "cluster": {"server": self.server, "certificate-authority": self.ca},
+                        }
                     ],
                     "users": [{"name": "sa", "user": {"token": token}}],
                     "contexts": [
@@ -165,8 +170,7 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                     if a
                 ),
             },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            capture_output=True,
             text=True,
         )
         env = _read_env(run_dir / "env")
@@ -274,7 +278,9 @@ def _start_tiny(root: Path, ip: str | None = None) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _prestart_tiny_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def _prestart_tiny_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
     # Compiling the tiny model takes 20-60 s on two cores: start it before the first test when a collected
     # test needs it, so that the compilation overlaps with the cluster's start and the earlier tests.
     wanted = any("tiny_server" in getattr(item, "fixturenames", ()) for item in request.session.items)

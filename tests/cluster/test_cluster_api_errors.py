@@ -36,7 +36,7 @@ def _self_signed(directory: Path) -> tuple[Path, Path, bytes]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "vsurge-test-webhook")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -45,14 +45,18 @@ def _self_signed(directory: Path) -> tuple[Path, Path, bytes]:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(hours=2))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
         .sign(key, hashes.SHA256())
     )
     pem = cert.public_bytes(serialization.Encoding.PEM)
     (directory / "wh.crt").write_bytes(pem)
     (directory / "wh.key").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
     )
     return directory / "wh.crt", directory / "wh.key", pem
 
@@ -74,7 +78,7 @@ class Webhook:
                 op = req["operation"]
                 with hook.lock:
                     code = 200
-                    for i, (want_op, want_code) in enumerate(hook.plan):
+                    for i, (want_op, _code) in enumerate(hook.plan):
                         if want_op == op:
                             code = hook.plan.pop(i)[1]
                             break
@@ -82,7 +86,9 @@ class Webhook:
                 response = {"uid": req["uid"], "allowed": code == 200}
                 if code != 200:
                     response["status"] = {"code": code, "message": f"test webhook says {code}"}
-                body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}).encode()
+                body = json.dumps(
+                    {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -155,22 +161,44 @@ def test_500_and_409_from_the_server_are_retried_and_converge(k8s, namespace, tm
     op = start_operator(k8s.kubeconfig, tmp_path / "operator.log", f"--namespace={namespace}")
     try:
         api.create(IM, namespace, inference_model("faulty", namespace, replicas=1))
-        wait_for(lambda: api.get(kube.DEPLOYMENT, namespace, "faulty"), 20, message="Deployment after 2 failures")
+        wait_for(
+            lambda: api.get(kube.DEPLOYMENT, namespace, "faulty"), 20, message="Deployment after 2 failures"
+        )
         creates = [code for o, n, code in webhook.seen if o == "CREATE"]
         assert creates[:3] == [500, 409, 200], webhook.seen
         warnings = [e["message"] for e in events(api, namespace, "ApiError")]
         assert any("500" in m for m in warnings) and any("409" in m for m in warnings), warnings
-        wait_for(lambda: (api.get(IM, namespace, "faulty") or {}).get("status", {}).get("readyReplicas") == 1, 20, message="ready")
-        wait_for(lambda: condition(api.get(IM, namespace, "faulty"), "Degraded").get("status") == "False", 20, message="recovered")
+        wait_for(
+            lambda: (api.get(IM, namespace, "faulty") or {}).get("status", {}).get("readyReplicas") == 1,
+            20,
+            message="ready",
+        )
+        wait_for(
+            lambda: condition(api.get(IM, namespace, "faulty"), "Degraded").get("status") == "False",
+            20,
+            message="recovered",
+        )
 
         # An edit whose Deployment patch is refused twice (409, then 500) still reaches the Deployment.
         webhook.plan = [("UPDATE", 409), ("UPDATE", 500)]
         api.patch(IM, namespace, "faulty", {"spec": {"replicas": 2}})
-        wait_for(lambda: api.get(kube.DEPLOYMENT, namespace, "faulty")["spec"]["replicas"] == 2, 20, message="patched")
+        wait_for(
+            lambda: api.get(kube.DEPLOYMENT, namespace, "faulty")["spec"]["replicas"] == 2,
+            20,
+            message="patched",
+        )
         updates = [code for o, n, code in webhook.seen if o == "UPDATE"]
         assert updates[:3] == [409, 500, 200], webhook.seen
-        wait_for(lambda: (api.get(IM, namespace, "faulty") or {}).get("status", {}).get("readyReplicas") == 2, 20, message="2 ready")
-        wait_for(lambda: condition(api.get(IM, namespace, "faulty"), "Degraded").get("status") == "False", 20, message="recovered")
+        wait_for(
+            lambda: (api.get(IM, namespace, "faulty") or {}).get("status", {}).get("readyReplicas") == 2,
+            20,
+            message="2 ready",
+        )
+        wait_for(
+            lambda: condition(api.get(IM, namespace, "faulty"), "Degraded").get("status") == "False",
+            20,
+            message="recovered",
+        )
         assert len(api.list(kube.DEPLOYMENT, namespace)) == 1
         assert op.proc.poll() is None  # survived
     finally:

@@ -73,9 +73,19 @@ def test_autoscaler_scales_on_real_slot_occupancy(k8s, namespace, tmp_path, tiny
         workers = [threading.Thread(target=client, daemon=True) for _ in range(4)]
         for w in workers:
             w.start()
-        wait_for(lambda: (api.get(IM, namespace, "auto") or {}).get("spec", {}).get("replicas") == 2, 40, message="scaled up")
-        wait_for(lambda: api.get(kube.DEPLOYMENT, namespace, "auto")["spec"]["replicas"] == 2, 10, message="Deployment 2")
-        wait_for(lambda: len(api.list(kube.POD, namespace, "vsurge.io/model=auto")) == 2, 10, message="second pod")
+        wait_for(
+            lambda: (api.get(IM, namespace, "auto") or {}).get("spec", {}).get("replicas") == 2,
+            40,
+            message="scaled up",
+        )
+        wait_for(
+            lambda: api.get(kube.DEPLOYMENT, namespace, "auto")["spec"]["replicas"] == 2,
+            10,
+            message="Deployment 2",
+        )
+        wait_for(
+            lambda: len(api.list(kube.POD, namespace, "vsurge.io/model=auto")) == 2, 10, message="second pod"
+        )
         scale_up = events(api, namespace, "ScaledUp")
         assert scale_up and "1 -> 2" in scale_up[0]["message"], scale_up
         measured = float(scale_up[0]["message"].split("slotOccupancy ")[1].split()[0])
@@ -87,9 +97,26 @@ def test_autoscaler_scales_on_real_slot_occupancy(k8s, namespace, tmp_path, tiny
         for w in workers:
             w.join(30)
         t0 = time.monotonic()
-        wait_for(lambda: (api.get(IM, namespace, "auto") or {}).get("spec", {}).get("replicas") == 1, 40, message="scaled down")
+        wait_for(
+            lambda: (api.get(IM, namespace, "auto") or {}).get("spec", {}).get("replicas") == 1,
+            40,
+            message="scaled down",
+        )
         assert time.monotonic() - t0 >= 1.5
-        wait_for(lambda: len([p for p in api.list(kube.POD, namespace, "vsurge.io/model=auto") if not p["metadata"].get("deletionTimestamp")]) == 1, 20, message="one pod")
+        wait_for(
+            lambda: (
+                len(
+                    [
+                        p
+                        for p in api.list(kube.POD, namespace, "vsurge.io/model=auto")
+                        if not p["metadata"].get("deletionTimestamp")
+                    ]
+                )
+                == 1
+            ),
+            20,
+            message="one pod",
+        )
         assert events(api, namespace, "ScaledDown")
         assert not kubelet.errors
     finally:

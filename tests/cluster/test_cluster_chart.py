@@ -73,7 +73,9 @@ def _missing(want: Any, got: Any, path: str = "") -> list[str]:
     if isinstance(want, list):
         if not isinstance(got, list) or len(got) != len(want):
             return [path]
-        return [p for i, (w, g) in enumerate(zip(want, got, strict=True)) for p in _missing(w, g, f"{path}[{i}]")]
+        return [
+            p for i, (w, g) in enumerate(zip(want, got, strict=True)) for p in _missing(w, g, f"{path}[{i}]")
+        ]
     return [] if want == got or str(want) == str(got) else [f"{path}: {want!r} -> {got!r}"]
 
 
@@ -85,13 +87,21 @@ def stand_ins(k8s, tmp_path_factory) -> None:
         paths.append(folder / f"{crd[2]}.yaml")
         paths[-1].write_text(yaml.safe_dump(_stand_in(*crd)))
     # Applied and routed to the CRD server, and served, before it returns (the kit's own command).
-    p = subprocess.run([str(KIT / "register-crd-group"), str(k8s.dir), "-f", *map(str, paths)],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "KUBECONFIG": str(k8s.kubeconfig)})
+    p = subprocess.run(
+        [str(KIT / "register-crd-group"), str(k8s.dir), "-f", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KUBECONFIG": str(k8s.kubeconfig)},
+    )
     assert p.returncode == 0, p.stdout + p.stderr
 
 
-SCENARIOS = {"defaults": (None, "vsurge-system"), "all-options": ("all-options-values.yaml", "vsurge-system"),
-             "namespaced": ("namespaced-values.yaml", "team-a")}
+SCENARIOS = {
+    "defaults": (None, "vsurge-system"),
+    "all-options": ("all-options-values.yaml", "vsurge-system"),
+    "namespaced": ("namespaced-values.yaml", "team-a"),
+}
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -110,14 +120,22 @@ def test_every_rendered_object_is_accepted_by_the_server(k8s, stand_ins, scenari
     namespaces = {release_ns} | {o["metadata"].get("namespace") for o in rendered.objects} - {None}
     for ns in sorted(namespaces):  # `helm install --create-namespace`, and the watched namespaces
         try:
-            admin.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+            admin.request(
+                "POST",
+                "/api/v1/namespaces",
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+            )
         except ApiException as e:
             assert e.status == 409, e.body  # there already (another scenario, the RBAC test)
     problems = []
     kinds = set()
     for obj in helm_order(rendered.objects):
         obj = {**obj, "metadata": {**obj["metadata"]}}
-        if obj["metadata"].get("namespace") is None and obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterPodMonitoring"):
+        if obj["metadata"].get("namespace") is None and obj["kind"] not in (
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ClusterPodMonitoring",
+        ):
             obj["metadata"]["namespace"] = release_ns  # as helm does for namespaced kinds
         try:
             answer = server_side_apply(api_client, obj, dry_run=True)

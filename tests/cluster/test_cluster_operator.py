@@ -61,7 +61,9 @@ def _status(api, namespace, name):
 
 
 def _versions(api, namespace, name, kinds=(kube.DEPLOYMENT, kube.SERVICE, kube.PDB)):
-    return {r.kind: (api.get(r, namespace, name) or {}).get("metadata", {}).get("resourceVersion") for r in kinds}
+    return {
+        r.kind: (api.get(r, namespace, name) or {}).get("metadata", {}).get("resourceVersion") for r in kinds
+    }
 
 
 def _scale(k8s, api, namespace, name, replicas):
@@ -89,7 +91,10 @@ def test_cpu_model_deployment_pods_status_scale_drift_and_gc(k8s, api, namespace
     # The controller-manager makes one ReplicaSet and two pods; our kubelet reports them Ready.
     rs = wait_for(lambda: api.list(REPLICA_SET, namespace, "vsurge.io/model=cpu"), message="ReplicaSet")
     assert len(rs) == 1
-    wait_for(lambda: len([p for p in pods(api, namespace, "cpu") if p["status"].get("podIP")]) == 2, message="2 pods")
+    wait_for(
+        lambda: len([p for p in pods(api, namespace, "cpu") if p["status"].get("podIP")]) == 2,
+        message="2 pods",
+    )
     st = wait_for(
         lambda: (s := _status(api, namespace, "cpu")).get("readyReplicas") == 2 and s,
         message="status.readyReplicas 2",
@@ -111,7 +116,9 @@ def test_cpu_model_deployment_pods_status_scale_drift_and_gc(k8s, api, namespace
 
     # kubectl scale through the scale subresource: spec.replicas -> Deployment -> a third pod.
     _scale(k8s, api, namespace, "cpu", 3)
-    wait_for(lambda: api.get(kube.DEPLOYMENT, namespace, "cpu")["spec"]["replicas"] == 3, message="Deployment 3")
+    wait_for(
+        lambda: api.get(kube.DEPLOYMENT, namespace, "cpu")["spec"]["replicas"] == 3, message="Deployment 3"
+    )
     wait_for(lambda: _status(api, namespace, "cpu").get("readyReplicas") == 3, message="3 ready")
     scale = api.request("GET", IM.path(namespace, "cpu", "scale"))
     assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (3, 3)
@@ -122,26 +129,48 @@ def test_cpu_model_deployment_pods_status_scale_drift_and_gc(k8s, api, namespace
     api.delete(kube.SERVICE, namespace, "cpu")
     wait_for(lambda: api.get(kube.SERVICE, namespace, "cpu"), message="Service recreated")
     api.patch(kube.DEPLOYMENT, namespace, "cpu", {"spec": {"replicas": 1}})
-    wait_for(lambda: api.get(kube.DEPLOYMENT, namespace, "cpu")["spec"]["replicas"] == 3, message="drift repaired")
+    wait_for(
+        lambda: api.get(kube.DEPLOYMENT, namespace, "cpu")["spec"]["replicas"] == 3, message="drift repaired"
+    )
 
     # Scale to zero: the pods go, Ready=False ScaledToZero.
     _scale(k8s, api, namespace, "cpu", 0)
     wait_for(lambda: not pods(api, namespace, "cpu"), message="pods deleted by the ReplicaSet controller")
-    wait_for(lambda: condition(api.get(IM, namespace, "cpu"), "Ready").get("reason") == "ScaledToZero", message="0")
+    wait_for(
+        lambda: condition(api.get(IM, namespace, "cpu"), "Ready").get("reason") == "ScaledToZero", message="0"
+    )
 
     # Deleting the model: kopf's finalizer goes, and the garbage collector removes everything it owned.
     api.delete(IM, namespace, "cpu")
     wait_for(lambda: api.get(IM, namespace, "cpu") is None, message="model deleted (finalizer removed)")
     for res in (kube.DEPLOYMENT, kube.SERVICE, kube.PDB, REPLICA_SET):
-        wait_for(lambda res=res: api.get(res, namespace, "cpu") is None and not api.list(res, namespace, "vsurge.io/model=cpu"), 30, message=f"{res.kind} garbage-collected")
+        wait_for(
+            lambda res=res: (
+                api.get(res, namespace, "cpu") is None and not api.list(res, namespace, "vsurge.io/model=cpu")
+            ),
+            30,
+            message=f"{res.kind} garbage-collected",
+        )
     assert not kubelet.errors
 
 
 def test_tpu_single_host_deployment_multi_host_lws_switch_and_invalid(k8s, api, namespace, operator, kubelet):
     operator()
-    api.create(IM, namespace, inference_model("small", namespace, tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"}))
-    big = api.create(IM, namespace, inference_model("big", namespace, tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4"}))
-    api.create(IM, namespace, inference_model("bad", namespace, tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4x4"}))
+    api.create(
+        IM,
+        namespace,
+        inference_model("small", namespace, tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"}),
+    )
+    big = api.create(
+        IM,
+        namespace,
+        inference_model("big", namespace, tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4"}),
+    )
+    api.create(
+        IM,
+        namespace,
+        inference_model("bad", namespace, tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "4x4x4"}),
+    )
 
     dep = wait_for(lambda: api.get(kube.DEPLOYMENT, namespace, "small"), message="small Deployment")
     pod_spec = dep["spec"]["template"]["spec"]
@@ -154,24 +183,35 @@ def test_tpu_single_host_deployment_multi_host_lws_switch_and_invalid(k8s, api, 
     lws = wait_for(lambda: api.get(kube.LEADER_WORKER_SET, namespace, "big"), message="LeaderWorkerSet")
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == 4
     assert lws["metadata"]["ownerReferences"][0]["uid"] == big["metadata"]["uid"]
-    wait_for(lambda: _status(api, namespace, "big").get("workloadKind") == "LeaderWorkerSet", message="status")
+    wait_for(
+        lambda: _status(api, namespace, "big").get("workloadKind") == "LeaderWorkerSet", message="status"
+    )
 
     # Invalid for the operator (not offered by v5e) although the schema passed it: Degraded, nothing made.
-    wait_for(lambda: condition(api.get(IM, namespace, "bad"), "Degraded").get("reason") == "InvalidSpec", message="bad")
+    wait_for(
+        lambda: condition(api.get(IM, namespace, "bad"), "Degraded").get("reason") == "InvalidSpec",
+        message="bad",
+    )
     assert "spec.tpu.topology" in condition(api.get(IM, namespace, "bad"), "Degraded")["message"]
-    assert api.get(kube.DEPLOYMENT, namespace, "bad") is None and api.get(kube.SERVICE, namespace, "bad") is None
+    assert (
+        api.get(kube.DEPLOYMENT, namespace, "bad") is None and api.get(kube.SERVICE, namespace, "bad") is None
+    )
     assert any(e["involvedObject"]["name"] == "bad" for e in events(api, namespace, "InvalidSpec"))
 
     # Several hosts -> one host: the LeaderWorkerSet is replaced by a Deployment.
     api.patch(IM, namespace, "big", {"spec": {"tpu": {"topology": "2x4"}}})
     wait_for(lambda: api.get(kube.DEPLOYMENT, namespace, "big"), message="big Deployment")
     wait_for(lambda: api.get(kube.LEADER_WORKER_SET, namespace, "big") is None, message="LWS deleted")
-    wait_for(lambda: _status(api, namespace, "big").get("workloadKind") == "Deployment", message="status kind")
+    wait_for(
+        lambda: _status(api, namespace, "big").get("workloadKind") == "Deployment", message="status kind"
+    )
 
     # A fix of the bad spec is picked up.
     api.patch(IM, namespace, "bad", {"spec": {"tpu": {"topology": "4x4"}}})
     wait_for(lambda: api.get(kube.LEADER_WORKER_SET, namespace, "bad"), message="bad -> LWS once valid")
-    wait_for(lambda: condition(api.get(IM, namespace, "bad"), "Degraded").get("status") == "False", message="ok")
+    wait_for(
+        lambda: condition(api.get(IM, namespace, "bad"), "Degraded").get("status") == "False", message="ok"
+    )
     for name in ("small", "big", "bad"):
         api.delete(IM, namespace, name)
     for res in (kube.DEPLOYMENT, kube.LEADER_WORKER_SET, kube.PDB):
@@ -187,7 +227,11 @@ def test_restart_and_two_racing_operators_create_no_duplicates(k8s, api, namespa
     for name in names:
         api.create(IM, namespace, inference_model(name, namespace, replicas=1))
     for name in names:
-        wait_for(lambda name=name: _status(api, namespace, name).get("readyReplicas") == 1, 30, message=f"{name} ready")
+        wait_for(
+            lambda name=name: _status(api, namespace, name).get("readyReplicas") == 1,
+            30,
+            message=f"{name} ready",
+        )
     assert len(api.list(kube.DEPLOYMENT, namespace)) == len(names)
     assert len(api.list(REPLICA_SET, namespace)) == len(names)
     assert len(api.list(kube.POD, namespace)) == len(names)

@@ -52,7 +52,11 @@ def _forbidden(api: kube.Kube, method: str, path: str, body: Any = None, **kw: A
 def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, tmp_path):
     admin = k8s.kube()
     rendered = render_chart({}, RELEASE_NS)
-    admin.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": RELEASE_NS}})
+    admin.request(
+        "POST",
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": RELEASE_NS}},
+    )
     rbac = [o for o in helm_order(rendered.objects) if o["kind"] in RBAC_KINDS]
     assert {o["kind"] for o in rbac} >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
     api_client = k8s.api_client()
@@ -61,7 +65,9 @@ def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, t
     sa = {o["metadata"]["name"] for o in rbac if o["kind"] == "ServiceAccount"}
     assert sa == {"vsurge-operator", "vsurge-router"}
     configs = {
-        name: k8s.token_kubeconfig(tmp_path / f"{name}.kubeconfig", service_account_token(admin, RELEASE_NS, name), RELEASE_NS)
+        name: k8s.token_kubeconfig(
+            tmp_path / f"{name}.kubeconfig", service_account_token(admin, RELEASE_NS, name), RELEASE_NS
+        )
         for name in sa
     }
     as_operator = kube.Kube(_client(configs["vsurge-operator"]))
@@ -70,18 +76,49 @@ def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, t
     # Least privilege, proven by the server's authorizer: outside the tables -> 403.
     ns_path = f"/api/v1/namespaces/{namespace}"
     assert _forbidden(as_operator, "GET", f"{ns_path}/secrets")
-    assert _forbidden(as_operator, "DELETE", f"/apis/vsurge.io/v1alpha1/namespaces/{namespace}/inferencemodels/x")
-    assert _forbidden(as_operator, "POST", f"{ns_path}/pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "i"}]}})
+    assert _forbidden(
+        as_operator, "DELETE", f"/apis/vsurge.io/v1alpha1/namespaces/{namespace}/inferencemodels/x"
+    )
+    assert _forbidden(
+        as_operator,
+        "POST",
+        f"{ns_path}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "c", "image": "i"}]},
+        },
+    )
     assert _forbidden(as_router, "GET", f"{ns_path}/secrets")
     assert _forbidden(as_router, "GET", f"/apis/apps/v1/namespaces/{namespace}/deployments")
-    assert _forbidden(as_router, "PATCH", f"/apis/vsurge.io/v1alpha1/namespaces/{namespace}/inferencemodels/x", {"spec": {"replicas": 5}}, content_type=kube.MERGE_PATCH)
-    assert _forbidden(as_router, "PATCH", f"/apis/vsurge.io/v1alpha1/namespaces/{namespace}/inferencemodels/x/status", {"status": {}}, content_type=kube.MERGE_PATCH)
+    assert _forbidden(
+        as_router,
+        "PATCH",
+        f"/apis/vsurge.io/v1alpha1/namespaces/{namespace}/inferencemodels/x",
+        {"spec": {"replicas": 5}},
+        content_type=kube.MERGE_PATCH,
+    )
+    assert _forbidden(
+        as_router,
+        "PATCH",
+        f"/apis/vsurge.io/v1alpha1/namespaces/{namespace}/inferencemodels/x/status",
+        {"status": {}},
+        content_type=kube.MERGE_PATCH,
+    )
 
     kubelet = Kubelet(admin, namespace).start()
     operator = start_operator(configs["vsurge-operator"], tmp_path / "operator.log", "--all-namespaces")
     port = free_port()
     router = LoggedProcess(
-        [*vsurge_command(), "route", "--host=127.0.0.1", f"--port={port}", "--wake-timeout-seconds=3", "--log-level=info"],
+        [
+            *vsurge_command(),
+            "route",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            "--wake-timeout-seconds=3",
+            "--log-level=info",
+        ],
         tmp_path / "router.log",
         clean_env(KUBECONFIG=str(configs["vsurge-router"])),
     ).start()
@@ -90,7 +127,11 @@ def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, t
         router.wait_http(f"{url}/readiness", timeout=60)
         admin.create(IM, namespace, inference_model("served", namespace, replicas=1))
         admin.create(IM, namespace, inference_model("sleepy", namespace, replicas=0))
-        wait_for(lambda: (admin.get(IM, namespace, "served") or {}).get("status", {}).get("readyReplicas") == 1, 30, message="served ready")
+        wait_for(
+            lambda: (admin.get(IM, namespace, "served") or {}).get("status", {}).get("readyReplicas") == 1,
+            30,
+            message="served ready",
+        )
         wait_for(lambda: _models(url) == {"served": True, "sleepy": False}, 20, message="router sees both")
 
         # Scale from zero through the router's own token: the router patches /scale, the operator follows.
@@ -100,21 +141,38 @@ def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, t
         response = httpx.post(f"{url}/v1/completions", json={"model": "sleepy", "prompt": "hi"}, timeout=40)
         assert response.status_code == 503 and response.headers.get("retry-after"), response.text
         assert admin.get(IM, namespace, "sleepy")["spec"]["replicas"] == 1, response.text
-        wait_for(lambda: admin.get(kube.DEPLOYMENT, namespace, "sleepy")["spec"]["replicas"] == 1, 20, message="operator followed")
+        wait_for(
+            lambda: admin.get(kube.DEPLOYMENT, namespace, "sleepy")["spec"]["replicas"] == 1,
+            20,
+            message="operator followed",
+        )
         kubelet.paused.clear()
-        wait_for(lambda: (admin.get(IM, namespace, "sleepy") or {}).get("status", {}).get("readyReplicas") == 1, 30, message="woken")
+        wait_for(
+            lambda: (admin.get(IM, namespace, "sleepy") or {}).get("status", {}).get("readyReplicas") == 1,
+            30,
+            message="woken",
+        )
         wait_for(lambda: _models(url).get("sleepy") is True, 20, message="router sees it ready")
         assert condition(admin.get(IM, namespace, "served"), "Degraded")["status"] == "False"
         # kopf's own calls (CRD and namespace watches, finalizers, events) went through too.
-        assert any(e.get("reason") == "Created" for e in admin.list(kube.Resource("v1", "events", "Event"), namespace))
+        assert any(
+            e.get("reason") == "Created"
+            for e in admin.list(kube.Resource("v1", "events", "Event"), namespace)
+        )
         admin.delete(IM, namespace, "served")
-        wait_for(lambda: admin.get(IM, namespace, "served") is None, 20, message="finalizer removed by the operator")
+        wait_for(
+            lambda: admin.get(IM, namespace, "served") is None,
+            20,
+            message="finalizer removed by the operator",
+        )
     finally:
         router.stop()
         operator.stop()
         kubelet.stop()
     for name, log in (("operator", operator.log()), ("router", router.log())):
-        assert " 403" not in log and "Forbidden" not in log and "forbidden" not in log, f"{name} was refused:\n{log[-3000:]}"
+        assert " 403" not in log and "Forbidden" not in log and "forbidden" not in log, (
+            f"{name} was refused:\n{log[-3000:]}"
+        )
 
 
 def _client(kubeconfig):
@@ -147,15 +205,25 @@ def test_namespaced_operator_is_confined_to_its_namespaces(k8s, tmp_path):
     watched = values["watchNamespaces"]
     for ns in {"team-a", *watched, "elsewhere"}:
         try:
-            admin.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+            admin.request(
+                "POST",
+                "/api/v1/namespaces",
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+            )
         except ApiException as e:
             assert e.status == 409
     api_client = k8s.api_client()
     for obj in helm_order(rendered.objects):
         if obj["kind"] in RBAC_KINDS:
             server_side_apply(api_client, obj)
-    (sa,) = [o["metadata"]["name"] for o in rendered.of_kind("ServiceAccount") if "operator" in o["metadata"]["name"]]
-    config = k8s.token_kubeconfig(tmp_path / "op.kubeconfig", service_account_token(admin, "team-a", sa), "team-a")
+    (sa,) = [
+        o["metadata"]["name"]
+        for o in rendered.of_kind("ServiceAccount")
+        if "operator" in o["metadata"]["name"]
+    ]
+    config = k8s.token_kubeconfig(
+        tmp_path / "op.kubeconfig", service_account_token(admin, "team-a", sa), "team-a"
+    )
     as_operator = kube.Kube(_client(config))
     assert _forbidden(as_operator, "GET", "/apis/vsurge.io/v1alpha1/namespaces/elsewhere/inferencemodels")
     assert _forbidden(as_operator, "GET", "/apis/vsurge.io/v1alpha1/inferencemodels")  # no cluster-wide list
@@ -165,7 +233,11 @@ def test_namespaced_operator_is_confined_to_its_namespaces(k8s, tmp_path):
     operator = start_operator(config, tmp_path / "operator.log", *(f"--namespace={ns}" for ns in watched))
     try:
         admin.create(IM, "team-b", inference_model("confined", "team-b", replicas=1))
-        wait_for(lambda: (admin.get(IM, "team-b", "confined") or {}).get("status", {}).get("readyReplicas") == 1, 30, message="ready")
+        wait_for(
+            lambda: (admin.get(IM, "team-b", "confined") or {}).get("status", {}).get("readyReplicas") == 1,
+            30,
+            message="ready",
+        )
         admin.create(IM, "elsewhere", inference_model("ignored", "elsewhere", replicas=1))
         import time
 

@@ -12,10 +12,9 @@ status.endpoint through the status subresource.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from pathlib import Path
-
-import sys
 
 import httpx
 import pytest
@@ -34,12 +33,16 @@ def _completed_watches(k8s) -> int:
     import kubernetes
 
     ext = kubernetes.config.new_client_from_config(config_file=k8s.env["K8SKIT_EXT_KUBECONFIG"])
-    text = ext.call_api("GET", ext.configuration.host + "/metrics", header_params={"Accept": "text/plain"}).read().decode()
+    text = (
+        ext.call_api("GET", ext.configuration.host + "/metrics", header_params={"Accept": "text/plain"})
+        .read()
+        .decode()
+    )
     total = 0
     for line in text.splitlines():
-        if line.startswith("apiserver_request_total{") and 'resource="inferencemodels"' in line:
-            if 'verb="WATCH"' in line and 'scope="namespace"' in line:
-                total += int(float(line.rsplit(" ", 1)[1]))
+        ours = line.startswith("apiserver_request_total{") and 'resource="inferencemodels"' in line
+        if ours and 'verb="WATCH"' in line and 'scope="namespace"' in line:
+            total += int(float(line.rsplit(" ", 1)[1]))
     return total
 
 
@@ -62,14 +65,27 @@ def test_discovery_survives_watches_the_server_ends(k8s, namespace, tmp_path):
     upstream.server = ThreadedServer(upstream.app()).start()
 
     def ready(name: str, endpoint: str) -> None:
-        api.patch(IM, namespace, name, {"status": {"readyReplicas": 1, "endpoint": endpoint}}, subresource="status")
+        api.patch(
+            IM, namespace, name, {"status": {"readyReplicas": 1, "endpoint": endpoint}}, subresource="status"
+        )
 
-    api.create(IM, namespace, inference_model("first", namespace, model={"source": "default", "servedName": "first-model"}))
+    api.create(
+        IM,
+        namespace,
+        inference_model("first", namespace, model={"source": "default", "servedName": "first-model"}),
+    )
     ready("first", upstream.url)
     port = free_port()
     router = LoggedProcess(
-        [*vsurge_command(), "route", "--host=127.0.0.1", f"--port={port}", f"--namespace={namespace}",
-         "--watch-timeout-seconds=1", "--log-level=info"],
+        [
+            *vsurge_command(),
+            "route",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            f"--namespace={namespace}",
+            "--watch-timeout-seconds=1",
+            "--log-level=info",
+        ],
         tmp_path / "router.log",
         clean_env(KUBECONFIG=str(k8s.kubeconfig)),
     ).start()
@@ -85,7 +101,11 @@ def test_discovery_survives_watches_the_server_ends(k8s, namespace, tmp_path):
         # Changes spread over ~7 watch lifetimes: some land mid-watch, some while the router relists.
         for i in range(14):
             name = f"m{i}"
-            api.create(IM, namespace, inference_model(name, namespace, model={"source": "default", "servedName": f"served-{i}"}))
+            api.create(
+                IM,
+                namespace,
+                inference_model(name, namespace, model={"source": "default", "servedName": f"served-{i}"}),
+            )
             truth[name] = [f"served-{i}", False]
             if i % 3 == 1:
                 ready(name, f"http://127.0.0.{100 + i}:11556")

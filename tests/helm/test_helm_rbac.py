@@ -234,5 +234,9 @@ def test_operator_never_gets_verbs_it_does_not_use(renders: dict[str, Rendered],
     """kopf and the operator patch; they never PUT (update) or delete collections."""
     perms = effective(renders["defaults"], "vsurge-operator")
     # update on inferencemodels/finalizers is what the authorizer asks for blockOwnerDeletion; no PUT is sent.
-    granted = {key: verbs for key, verbs in perms[CLUSTER].items() if key != ("vsurge.io", "inferencemodels/finalizers")}
+    granted = {
+        key: verbs
+        for key, verbs in perms[CLUSTER].items()
+        if key != ("vsurge.io", "inferencemodels/finalizers")
+    }
     assert not any(verb in verbs for verbs in granted.values())
