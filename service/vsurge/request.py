@@ -86,6 +86,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # of token_id in the model's distribution (prompt logprobs only)
 
 
 @dataclass

@@ -84,7 +84,9 @@ def test_hostile_chat_requests(http, name, raw, status, param):
         ({"prompt": [-1]}, "prompt"),
         ({"prompt": "x", "logprobs": -1}, "logprobs"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "logit_bias": {"1": "a"}}, "logit_bias.1"),
+        ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"prompt": "x", "prompt_logprobs": 50}, "prompt_logprobs"),
     ],
 )
 def test_hostile_completion_requests(http, payload, param):
@@ -134,7 +136,7 @@ _fields = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "seed", "n", "logprobs",
     "top_logprobs", "stream", "stream_options", "ignore_eos", "min_tokens", "stop_token_ids", "user", "echo",
-    "tools", "response_format", "logit_bias",
+    "tools", "response_format", "logit_bias", "allowed_token_ids", "prompt_logprobs", "return_token_ids",
 ]  # fmt: skip
 _message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | _json},

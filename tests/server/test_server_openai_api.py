@@ -133,7 +133,9 @@ def test_logprobs(client):
     )
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
-    assert lp.text_offset[0] == 0 and all(len(t) <= 2 for t in lp.top_logprobs)
+    # OpenAI: up to logprobs + 1 entries, the sampled token among them
+    assert lp.text_offset[0] == 0 and all(len(t) <= 3 for t in lp.top_logprobs)
+    assert all(tok in top for tok, top in zip(lp.tokens, lp.top_logprobs, strict=True))
     streamed = list(chat(client, max_tokens=4, logprobs=True, stream=True, extra_body={"ignore_eos": True}))
     assert (
         sum(len(ch.choices[0].logprobs.content) for ch in streamed if ch.choices and ch.choices[0].logprobs)

@@ -52,11 +52,19 @@ def err(fn, *a, **kw) -> APIError:
         (b"[1, 2]", "JSON object"),
         (b'{"a": ' + b"1" * 5000 + b"}", "could not be parsed"),
         (b"[" * 100000 + b"]" * 100000, ""),
+        (b'{"messages": [{"content": "hi \\ud83d"}]}', "lone UTF-16 surrogate"),
+        (b'{"prompt": "\\udc00"}', "lone UTF-16 surrogate"),
+        (b'{"\\ud800": 1}', "lone UTF-16 surrogate"),
     ],
 )
 def test_read_json_rejects(body, fragment):
     e = err(read_json, body)
     assert fragment in e.message
+
+
+def test_surrogate_pairs_are_fine_and_lone_halves_named():
+    assert read_json(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}
+    assert err(read_json, b'{"messages": [{"content": "\\ud83d"}]}').param == "messages[0].content"
 
 
 def test_validation_errors_name_the_field(tok):
@@ -78,7 +86,6 @@ def test_validation_errors_name_the_field(tok):
         ("tool_choice", "auto"),
         ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         ("response_format", {"type": "json_object"}),
-        ("logit_bias", {"1": 5}),
         ("functions", [{"name": "f"}]),
         ("audio", {"voice": "alloy"}),
         ("modalities", ["text", "audio"]),
@@ -95,6 +102,35 @@ def test_harmless_off_values_are_accepted(tok):
         tok, tools=[], tool_choice="none", response_format={"type": "text"}, modalities=["text"], store=False
     )
     assert plan.prompts[0].endswith("<|im_start|>assistant\n")
+
+
+def test_fields_that_change_nothing_here_are_accepted(tok):
+    # OpenAI's storage / billing / caching / abuse fields steer nothing a self-hosted model does
+    plan = chat(
+        tok,
+        prompt_cache_key="k",
+        safety_identifier="u-1",
+        service_tier="flex",
+        metadata={"a": "b"},
+        store=False,
+        verbosity="low",
+    )
+    assert plan.prompts[0].endswith("<|im_start|>assistant\n")
+    assert err(chat, tok, verbosity="loud").param == "verbosity"
+
+
+def test_logit_bias_allowed_ids_and_prompt_logprobs(tok):
+    plan = chat(tok, logit_bias={"5": -100, "7": 2.5}, allowed_token_ids=[5, 7, 9], prompt_logprobs=2)
+    assert plan.sampling.logit_bias == {5: -100, 7: 2.5}
+    assert plan.sampling.allowed_token_ids == [5, 7, 9] and plan.sampling.prompt_logprobs == 2
+    assert plan.show_prompt_logprobs
+    assert err(chat, tok, logit_bias={"x": 1}).param == "logit_bias"
+    assert err(chat, tok, logit_bias={"5": 101}).param == "logit_bias"
+    assert err(chat, tok, logit_bias={str(i): 1 for i in range(301)}).param == "logit_bias"
+    assert err(chat, tok, logit_bias={"100000": 1}).param == "logit_bias"
+    assert err(chat, tok, allowed_token_ids=[320]).param == "allowed_token_ids"
+    assert err(chat, tok, allowed_token_ids=[]).param == "allowed_token_ids"
+    assert err(chat, tok, prompt_logprobs=21).param == "prompt_logprobs"
 
 
 def test_messages_roles_and_parts(tok):

@@ -9,6 +9,7 @@ from vsurge.server.shaping import (
     SSE_DONE,
     ChunkWriter,
     Collector,
+    Extras,
     chat_response,
     completion_response,
 )
@@ -62,7 +63,12 @@ def test_chat_response_shape():
     assert [e["token"] for e in entries] == ["Hel", "lo"]
     assert entries[0]["bytes"] == list(b"Hel")
     assert entries[0]["top_logprobs"][1]["logprob"] == -9999.0  # -inf is not JSON
-    assert obj["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert obj["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     json.dumps(obj, allow_nan=False)
 
 
@@ -79,6 +85,70 @@ def test_completion_response_with_echo_and_offsets():
     lp = choice["logprobs"]
     assert lp["tokens"] == ["Hel", "lo"] and lp["text_offset"] == [5, 8]
     assert lp["top_logprobs"][0] == {"Hel": -0.5, "lo": -9999.0}
+
+
+def test_completion_top_logprobs_hold_the_sampled_token():
+    # OpenAI: logprobs=N gives up to N + 1 entries, the sampled token among them; logprobs=0 gives it alone
+    col = Collector(1)
+    col.add(
+        [
+            ReturnSample(
+                "lo", [2], index=0, num_generated_tokens=1, logprobs=[TokenLogprob(2, -1.5, [(1, -0.2)])]
+            )
+        ]
+    )
+    obj = completion_response("c", 1, "m", col.choices, 1, decode, with_logprobs=True)
+    assert obj["choices"][0]["logprobs"]["top_logprobs"] == [{"Hel": -0.2, "lo": -1.5}]
+    col = Collector(1)
+    col.add([ReturnSample("lo", [2], index=0, num_generated_tokens=1, logprobs=[TokenLogprob(2, -1.5, [])])])
+    obj = completion_response("c", 1, "m", col.choices, 1, decode, with_logprobs=True)
+    assert obj["choices"][0]["logprobs"]["top_logprobs"] == [{"lo": -1.5}]
+    assert obj["choices"][0]["logprobs"]["token_logprobs"] == [-1.5]
+
+
+def test_echo_logprobs_and_prompt_logprobs_entries():
+    prompt_lps = [None, TokenLogprob(2, -0.7, [(1, -0.1)], rank=3)]
+    first = ReturnSample(
+        "!",
+        [3],
+        index=0,
+        num_generated_tokens=1,
+        num_prompt_tokens=2,
+        logprobs=[TokenLogprob(3, -0.3, [(3, -0.3)])],
+        prompt_token_ids=[1, 2],
+        prompt_logprobs=prompt_lps,
+        num_cached_tokens=1,
+    )
+    col = Collector(1)
+    col.add([first])
+    obj = completion_response(
+        "c",
+        1,
+        "m",
+        col.choices,
+        2,
+        decode,
+        with_logprobs=True,
+        echo_prefixes=["Hello"],
+        collectors=[col],
+        extras=Extras(return_token_ids=True, prompt_logprobs=True, cached_tokens=col.cached_tokens),
+    )
+    (choice,) = obj["choices"]
+    lp = choice["logprobs"]
+    assert choice["text"] == "Hello!"
+    assert lp["tokens"] == ["Hel", "lo", "!"]
+    assert lp["token_logprobs"] == [None, -0.7, -0.3]
+    assert lp["top_logprobs"] == [None, {"Hel": -0.1, "lo": -0.7}, {"!": -0.3}]
+    assert lp["text_offset"] == [0, 3, 5]
+    assert choice["prompt_logprobs"] == [
+        None,
+        {
+            "1": {"logprob": -0.1, "rank": 1, "decoded_token": "Hel"},
+            "2": {"logprob": -0.7, "rank": 3, "decoded_token": "lo"},
+        },
+    ]
+    assert choice["prompt_token_ids"] == [1, 2] and choice["token_ids"] == [3]
+    assert obj["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
 
 
 def test_chat_stream_frames_and_usage():

@@ -72,6 +72,7 @@ def test_prompt_logprobs_equal_transformers(tiny, engine, length):
     for p in range(1, length):
         e = lps[p]
         assert e.token_id == prompt[p]
+        assert e.rank == 1 + int(np.sum(want[p - 1] > want[p - 1, prompt[p]]))
         np.testing.assert_allclose(e.logprob, want[p - 1, prompt[p]], atol=2e-4)
         top_ids = [t for t, _ in e.top]
         assert len(top_ids) == k

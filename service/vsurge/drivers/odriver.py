@@ -155,7 +155,9 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
                 first = self._make_seq(req, 0, [])
                 seqs = [first] + [self._make_seq(req, i, [], first.keys) for i in range(1, req.params.n)]
                 if req.params.prompt_logprobs is not None:  # a dense pass of its own, off the generate thread
-                    req.prompt_logprobs = self._engine.score_prompt(req.prompt_ids, req.params.prompt_logprobs)
+                    req.prompt_logprobs = self._engine.score_prompt(
+                        req.prompt_ids, req.params.prompt_logprobs
+                    )
             except Exception as e:  # one bad request must not take the driver down
                 self._fail(req, f"prefill failed: {e}")
                 continue

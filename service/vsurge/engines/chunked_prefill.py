@@ -43,9 +43,10 @@ def _logprobs_impl(graphdef, params, hidden, targets):
     model = nnx.merge(graphdef, params)
     logits = model.compute_logits(hidden).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    own = jnp.take_along_axis(logits, targets[:, None], axis=1)[:, 0] - lse
+    own_logit = jnp.take_along_axis(logits, targets[:, None], axis=1)[:, 0]
+    rank = 1 + jnp.sum(logits > own_logit[:, None], axis=-1)  # vLLM's rank: 1 = the most likely
     top_vals, top_ids = _top_k(logits, MAX_TOP_LOGPROBS)
-    return own, top_ids.astype(jnp.int32), top_vals - lse[:, None]
+    return own_logit - lse, rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_vals - lse[:, None]
 
 
 class ChunkedPrefill:
@@ -121,8 +122,8 @@ class ChunkedPrefill:
         """Per prompt token: None for the first, then its logprob given what precedes it and the top k."""
         out: list[TokenLogprob | None] = [None]
         for _start, count, dev in parts:
-            own, top_ids, top_lps = (np.asarray(x) for x in dev)
+            own, rank, top_ids, top_lps = (np.asarray(x) for x in dev)
             for t in range(count):
                 top = [(int(top_ids[t, j]), float(top_lps[t, j])) for j in range(k)]
-                out.append(TokenLogprob(int(tokens[len(out)]), float(own[t]), top))
+                out.append(TokenLogprob(int(tokens[len(out)]), float(own[t]), top, int(rank[t])))
         return out

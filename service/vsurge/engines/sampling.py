@@ -552,9 +552,7 @@ def sample(
     cap = max(1, min(candidate_cap, v))
     step = jnp.asarray(step, jnp.int32)
 
-    pen = lax.cond(
-        jnp.any(params.bias_ids >= 0), lambda x: _apply_bias(x, params), lambda x: x, logits
-    )
+    pen = lax.cond(jnp.any(params.bias_ids >= 0), lambda x: _apply_bias(x, params), lambda x: x, logits)
     if generated_counts is not None or prompt_mask is not None:
         active = (params.repetition_penalty != 1.0) | (params.presence_penalty != 0.0)
         active = active | (params.frequency_penalty != 0.0)

@@ -301,9 +301,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         if len(tokens) < 1:
             raise ValueError("empty prompt")
         if len(tokens) > self.max_prompt_length:
-            raise ValueError(
-                f"prompt of {len(tokens)} tokens leaves no room in max_length {self.max_length}"
-            )
+            raise ValueError(f"prompt of {len(tokens)} tokens leaves no room in max_length {self.max_length}")
         return len(tokens)
 
     def needs_chunks(self, tokens: Sequence[int], params: SamplingParams) -> bool:

@@ -49,6 +49,7 @@ from .shaping import (
     SSE_DONE,
     ChunkWriter,
     Collector,
+    Extras,
     TokenDecoder,
     chat_response,
     completion_response,
@@ -108,6 +109,11 @@ def _answers_api_errors(route: _Route) -> _Route:
             return await route(self, request)
         except APIError as e:
             return _error_response(e)
+        except Exception as e:  # never a plain-text 500 (and a reset kept-alive connection)
+            err = errors.from_exception(e)
+            if err.status >= 500:
+                log.exception("%s failed", request.url.path)
+            return _error_response(err)
 
     return answer
 
@@ -355,7 +361,12 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
             md = vSurgeMetadata(id=response_id if len(plan.prompts) == 1 else f"{response_id}-{i}")
             out.append(
                 vSurgeRequest.from_sampling_params(
-                    prompt, plan.sampling, metadata=md, is_client_side_tokenization=ids, **extra
+                    prompt,
+                    plan.sampling,
+                    metadata=md,
+                    is_client_side_tokenization=ids,
+                    strict_max_tokens=plan.strict_max_tokens,
+                    **extra,
                 )
             )
         return out
@@ -448,11 +459,25 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
 
         await run_until_disconnect(request.receive, collect())
         choices = [c for col in collectors for c in col.choices]
+        owners = [col for col in collectors for _ in col.choices]
         prompt_tokens = sum(col.prompt_tokens for col in collectors)
         sp = plan.sampling
+        extras = Extras(
+            return_token_ids=plan.return_token_ids,
+            prompt_logprobs=plan.show_prompt_logprobs,
+            cached_tokens=sum(col.cached_tokens for col in collectors),
+        )
         if plan.operation == "chat":
             obj = chat_response(
-                response_id, created, entry.name, choices, prompt_tokens, entry.decode, sp.logprobs
+                response_id,
+                created,
+                entry.name,
+                choices,
+                prompt_tokens,
+                entry.decode,
+                sp.logprobs,
+                collector=collectors[0],
+                extras=extras,
             )
         else:
             echo = None
@@ -466,8 +491,9 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
                 prompt_tokens,
                 entry.decode,
                 sp.logprobs,
-                sp.top_logprobs > 0,
                 echo_prefixes=echo,
+                collectors=owners,
+                extras=extras,
             )
         if span is not None:
             self.tracing.finish(
@@ -500,9 +526,13 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
             model=entry.name,
             decode=entry.decode,
             with_logprobs=sp.logprobs,
-            with_top=sp.top_logprobs > 0,
+            with_top=plan.operation != "chat" or sp.top_logprobs > 0,
             include_usage=plan.include_usage,
             continuous_usage=plan.continuous_usage,
+            extras=Extras(return_token_ids=plan.return_token_ids, prompt_logprobs=plan.show_prompt_logprobs),
+            echo_texts=[plan.prompt_texts[k // n] for k in range(n * len(engine_reqs))]
+            if plan.echo
+            else None,
         )
         events = engine_events(entry.surge, engine_reqs)
         # Pull the first item before answering 200: a full queue or a too-long prompt must still get its
@@ -526,9 +556,6 @@ class vSurgeApiServer:  # noqa: N801 - the seed's name
 
         async def body():
             head = writer.role_frames(range(n * len(engine_reqs)))
-            if plan.echo:
-                for k in range(n * len(engine_reqs)):
-                    head += writer.echo_frame(k, plan.prompt_texts[k // n])
             if first is not None:
                 head += frames(first)
             yield head

@@ -7,6 +7,7 @@ so every bad input becomes a 4xx and never reaches the engine.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -41,6 +42,12 @@ class GenerationPlan:
     user: str | None = None
     # For echo: the prompt as text, one per prompt.
     prompt_texts: list[str] = field(default_factory=list)
+    # the client set max_tokens: prompt + max_tokens beyond the context is a 400, not a silent cut
+    strict_max_tokens: bool = False
+    # vLLM's return_token_ids: prompt and output token ids in the response
+    return_token_ids: bool = False
+    # the client asked for prompt_logprobs (vLLM's field); echo + logprobs also computes them, internally
+    show_prompt_logprobs: bool = False
 
     @property
     def prompt_param(self) -> str:
@@ -48,6 +55,30 @@ class GenerationPlan:
 
 
 # ---------------------------------------------------------------------------------------------- body
+
+
+# A JSON escape of a UTF-16 surrogate (\uD800-\uDFFF). json.loads joins valid pairs into one character,
+# so after parsing, any surrogate left is a lone half that no tokenizer or encoder can take.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any, where: str = "") -> tuple[str, str] | None:
+    """(path, the surrogate as an escape) of the first string holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        return (where or "body", f"\\u{ord(m.group()):04x}") if m else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _lone_surrogate(k, where) or _lone_surrogate(v, f"{where}.{k}" if where else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, f"{where}[{i}]")
+            if found:
+                return found
+    return None
 
 
 def read_json(body: bytes) -> dict[str, Any]:
@@ -69,6 +100,15 @@ def read_json(body: bytes) -> dict[str, Any]:
         raise invalid_request(f"The request body could not be parsed: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise invalid_request(f"The request body must be a JSON object, got {type(data).__name__}.")
+    if _SURROGATE_ESCAPE.search(text):
+        found = _lone_surrogate(data)
+        if found:
+            where, esc = found
+            raise invalid_request(
+                f"'{where}' contains a lone UTF-16 surrogate ({esc}), which is not valid Unicode; "
+                "send both halves of a surrogate pair or the character itself.",
+                param=where,
+            )
     return data
 
 
@@ -138,8 +178,12 @@ def check_unsupported_chat(req: ChatCompletionRequest) -> None:
         raise unsupported_field("prediction")
     if req.reasoning_effort is not None:
         raise unsupported_field("reasoning_effort")
-    if req.verbosity is not None:
-        raise unsupported_field("verbosity")
+    if req.verbosity not in (None, "low", "medium", "high"):
+        # accepted and ignored: a hint for OpenAI's reasoning models, nothing a sampler can honour
+        raise invalid_request(
+            f"Invalid value for 'verbosity': {req.verbosity!r}; expected 'low', 'medium' or 'high'.",
+            param="verbosity",
+        )
     if req.web_search_options is not None:
         raise unsupported_field("web_search_options")
     _check_common_unsupported(req)
@@ -150,18 +194,12 @@ def check_unsupported_completion(req: CompletionRequest) -> None:
         raise unsupported_field("suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise unsupported_field("best_of", "only best_of == n is implemented")
-    if req.echo and req.logprobs is not None:
-        raise unsupported_field("echo", "echo together with logprobs (prompt logprobs) is not implemented")
     _check_common_unsupported(req)
 
 
 def _check_common_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
-    if req.logit_bias:
-        raise unsupported_field("logit_bias")
     if req.store:
         raise unsupported_field("store", "this server does not store completions")
-    if req.service_tier not in (None, "auto", "default"):
-        raise unsupported_field("service_tier")
 
 
 # ------------------------------------------------------------------------------------------ messages
@@ -321,6 +359,11 @@ def build_sampling(
         )
         if getattr(req, k) is not None
     }
+    for k in ("allowed_token_ids", "prompt_logprobs"):
+        if getattr(req, k) is not None:
+            given[k] = getattr(req, k)
+    if req.logit_bias is not None:
+        given["logit_bias"] = _logit_bias(req.logit_bias)
     sp = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs, **given)
     try:
         sp.validate()
@@ -331,13 +374,29 @@ def build_sampling(
         # top_k at or above the vocabulary filters nothing; capping keeps a huge value out of int32 on device.
         if sp.top_k >= vocab_size:
             sp.top_k = 0
-        for t in sp.stop_token_ids or ():
-            if t >= vocab_size:
+        for name, ids in (
+            ("stop_token_ids", sp.stop_token_ids or ()),
+            ("logit_bias", sp.logit_bias or ()),
+            ("allowed_token_ids", sp.allowed_token_ids or ()),
+        ):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
                 raise invalid_request(
-                    f"stop_token_ids contains {t}, outside the vocabulary of {vocab_size} tokens.",
-                    param="stop_token_ids",
+                    f"{name} contains {bad}, outside the vocabulary of {vocab_size} tokens.", param=name
                 )
     return sp
+
+
+def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys (strings); a key that is no id is the client's 400."""
+    out = {}
+    for key, value in raw.items():
+        if not key.isascii() or not key.strip().isdigit():
+            raise invalid_request(
+                f"Invalid key in 'logit_bias': {key[:40]!r} is not a token id.", param="logit_bias"
+            )
+        out[int(key)] = value
+    return out
 
 
 def _stream_flags(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool, bool]:
@@ -392,6 +451,9 @@ def plan_chat(
         include_usage=include,
         continuous_usage=continuous,
         user=req.user,
+        strict_max_tokens=requested is not None,
+        return_token_ids=bool(req.return_token_ids),
+        show_prompt_logprobs=req.prompt_logprobs is not None,
     )
 
 
@@ -445,6 +507,9 @@ def plan_completion(
         vocab_size=vocab_size,
         rename={"top_logprobs": "logprobs"},
     )
+    if req.echo and lp is not None:
+        # echo + logprobs scores the prompt too (how evaluation harnesses read log-likelihoods)
+        sampling.prompt_logprobs = max(lp, sampling.prompt_logprobs or 0)
     if sampling.n * len(prompts) > MAX_N:
         raise invalid_request(
             f"n times the number of prompts must be at most {MAX_N}, got {sampling.n * len(prompts)}.",
@@ -461,4 +526,7 @@ def plan_completion(
         continuous_usage=continuous,
         echo=bool(req.echo),
         user=req.user,
+        strict_max_tokens=req.max_tokens is not None,
+        return_token_ids=bool(req.return_token_ids),
+        show_prompt_logprobs=req.prompt_logprobs is not None,
     )

@@ -58,12 +58,19 @@ class _SamplingFields(_Strict):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     user: str | None = None
-    # Ignored on purpose: OpenAI only uses it for stored completions / billing tags; no effect on output.
+    # Accepted and ignored: they steer OpenAI's storage, billing, caching and abuse tooling, not the output
+    # of a self-hosted model (prefix caching here is automatic).
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     store: bool | None = None
-    # Declared so the refusal names them (see parsing.UNSUPPORTED).
-    logit_bias: Any = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # token id (a JSON object key, so a string) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -42,11 +42,13 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        # prompt tokens whose KV came from the prefix cache (oDriver; vDriver has none)
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -98,19 +100,33 @@ def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return {"content": entries, "refusal": None}
 
 
+def _top_dict(lp: TokenLogprob, decode: Callable[[int], str]) -> dict[str, float]:
+    """Legacy top_logprobs entry: the top N and the chosen token itself (OpenAI: up to N + 1 entries)."""
+    top: dict[str, float] = {}
+    # ids that decode alike (bytes of one character all read as U+FFFD) keep the likeliest value
+    for tid, v in [*lp.top, (lp.token_id, lp.logprob)]:
+        key = decode(tid)
+        top[key] = max(top.get(key, -math.inf), _lp(v))
+    return top
+
+
 def completion_logprobs(
-    logprobs: Iterable[TokenLogprob], decode: Callable[[int], str], offset: int, with_top: bool
+    logprobs: Iterable[TokenLogprob | None], decode: Callable[[int], str], offset: int, with_top: bool = True
 ) -> tuple[dict[str, Any], int]:
-    """Legacy completions logprobs; `offset` is the character offset of the first token in the text."""
+    """Legacy completions logprobs; `offset` is the character offset of the first token in the text.
+
+    An entry of None is the first prompt token of an echo (nothing precedes it): null logprob and top.
+    """
     tokens, token_lps, tops, offsets = [], [], [], []
     for lp in logprobs:
+        if lp is None:
+            continue
         tok = decode(lp.token_id)
         tokens.append(tok)
         token_lps.append(_lp(lp.logprob))
         offsets.append(offset)
         offset += len(tok)
-        if with_top:
-            tops.append({decode(tid): _lp(v) for tid, v in lp.top})
+        tops.append(_top_dict(lp, decode))
     return (
         {
             "tokens": tokens,
@@ -120,6 +136,50 @@ def completion_logprobs(
         },
         offset,
     )
+
+
+def echo_logprobs(
+    prompt_ids: list[int], prompt_lps: list[TokenLogprob | None] | None, decode: Callable[[int], str]
+) -> tuple[dict[str, Any], int]:
+    """The prompt's part of an echoed completion's logprobs: its first token has null logprob and top."""
+    lps = list(prompt_lps or [])
+    first = prompt_ids[0] if prompt_ids else None
+    body, offset = completion_logprobs(lps[1:], decode, len(decode(first)) if first is not None else 0)
+    if first is not None:
+        body["tokens"].insert(0, decode(first))
+        body["token_logprobs"].insert(0, None)
+        body["top_logprobs"].insert(0, None)
+        body["text_offset"].insert(0, 0)
+    return body, offset
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    return {k: head[k] + tail[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def prompt_logprob_entries(
+    prompt_lps: list[TokenLogprob | None] | None, decode: Callable[[int], str]
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first token, then {id: {logprob, rank, decoded_token}} holding
+    the prompt token and the top k."""
+    if prompt_lps is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for lp in prompt_lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(tid): {"logprob": _lp(v), "rank": r, "decoded_token": decode(tid)}
+            for r, (tid, v) in enumerate(lp.top, start=1)
+        }
+        entry[str(lp.token_id)] = {
+            "logprob": _lp(lp.logprob),
+            "rank": lp.rank,
+            "decoded_token": decode(lp.token_id),
+        }
+        out.append(entry)
+    return out
 
 
 # ------------------------------------------------------------------------------------- non-streaming
@@ -147,9 +207,16 @@ class Collector:
     def __init__(self, n: int, index_offset: int = 0) -> None:
         self.choices = [Choice(index=index_offset + i) for i in range(n)]
         self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, samples: Iterable[ReturnSample]) -> None:
         for s in samples:
+            if s.prompt_token_ids is not None and s.index == 0:
+                self.prompt_token_ids = s.prompt_token_ids
+                self.prompt_logprobs = s.prompt_logprobs
+                self.cached_tokens = s.num_cached_tokens
             c = self.choices[s.index]
             if s.text:
                 c.text_parts.append(s.text)
@@ -167,6 +234,15 @@ class Collector:
         return sum(c.generated_tokens for c in self.choices)
 
 
+@dataclass
+class Extras:
+    """What a response carries beyond OpenAI's fields, per engine request (vLLM's extensions)."""
+
+    return_token_ids: bool = False
+    prompt_logprobs: bool = False
+    cached_tokens: int = 0
+
+
 def chat_response(
     response_id: str,
     created: int,
@@ -175,26 +251,35 @@ def chat_response(
     prompt_tokens: int,
     decode: Callable[[int], str],
     with_logprobs: bool,
+    collector: Collector | None = None,
+    extras: Extras | None = None,
 ) -> dict[str, Any]:
-    return {
+    extras = extras or Extras()
+    out = []
+    for c in choices:
+        choice = {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": chat_logprobs(chat_logprob_entries(c.logprobs, decode)) if with_logprobs else None,
+            "finish_reason": c.finish_reason,
+        }
+        if extras.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        out.append(choice)
+    obj = {
         "id": response_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": chat_logprobs(chat_logprob_entries(c.logprobs, decode))
-                if with_logprobs
-                else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage(prompt_tokens, sum(c.generated_tokens for c in choices)),
+        "choices": out,
+        "usage": usage(prompt_tokens, sum(c.generated_tokens for c in choices), extras.cached_tokens),
         "system_fingerprint": None,
     }
+    if collector is not None and extras.return_token_ids:
+        obj["prompt_token_ids"] = collector.prompt_token_ids
+    if collector is not None and extras.prompt_logprobs:
+        obj["prompt_logprobs"] = prompt_logprob_entries(collector.prompt_logprobs, decode)
+    return obj
 
 
 def completion_response(
@@ -205,23 +290,43 @@ def completion_response(
     prompt_tokens: int,
     decode: Callable[[int], str],
     with_logprobs: bool,
-    with_top: bool,
+    with_top: bool = True,
     echo_prefixes: list[str] | None = None,
+    collectors: list[Collector] | None = None,
+    extras: Extras | None = None,
 ) -> dict[str, Any]:
+    """`collectors[k]` is the engine request of choice k's prompt (for echo logprobs and extras)."""
+    extras = extras or Extras()
     out = []
-    for c in choices:
-        prefix = echo_prefixes[c.index] if echo_prefixes else ""
-        lps = completion_logprobs(c.logprobs, decode, len(prefix), with_top)[0] if with_logprobs else None
-        out.append(
-            {"index": c.index, "text": prefix + c.text, "logprobs": lps, "finish_reason": c.finish_reason}
-        )
+    for k, c in enumerate(choices):
+        prefix = echo_prefixes[k] if echo_prefixes else ""
+        col = collectors[k] if collectors else None
+        lps = None
+        if with_logprobs:
+            if echo_prefixes and col is not None:
+                head, _ = echo_logprobs(col.prompt_token_ids, col.prompt_logprobs, decode)
+                lps = join_logprobs(head, completion_logprobs(c.logprobs, decode, len(prefix))[0])
+            else:
+                lps = completion_logprobs(c.logprobs, decode, len(prefix), with_top)[0]
+        choice = {
+            "index": c.index,
+            "text": prefix + c.text,
+            "logprobs": lps,
+            "finish_reason": c.finish_reason,
+        }
+        if col is not None and extras.prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprob_entries(col.prompt_logprobs, decode)
+        if col is not None and extras.return_token_ids:
+            choice["prompt_token_ids"] = col.prompt_token_ids
+            choice["token_ids"] = c.token_ids
+        out.append(choice)
     return {
         "id": response_id,
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": out,
-        "usage": usage(prompt_tokens, sum(c.generated_tokens for c in choices)),
+        "usage": usage(prompt_tokens, sum(c.generated_tokens for c in choices), extras.cached_tokens),
         "system_fingerprint": None,
     }
 
@@ -248,8 +353,17 @@ class ChunkWriter:
         with_top: bool,
         include_usage: bool,
         continuous_usage: bool = False,
+        extras: Extras | None = None,
+        echo_texts: list[str] | None = None,
     ) -> None:
         self.chat = operation == "chat"
+        self.extras = extras or Extras()
+        # completions' echo: choice i opens with its prompt (and, with logprobs, the prompt's logprobs,
+        # which arrive with the choice's first delta), so the frame waits for that delta
+        self.echo_texts = echo_texts
+        self.echoed: set[int] = set()
+        self.cached: dict[int, int] = {}
+        self._extras_on = self.extras.return_token_ids or self.extras.prompt_logprobs
         self.head = {
             "id": response_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -265,16 +379,18 @@ class ChunkWriter:
         self.generated: dict[int, int] = {}
         self.prompt_tokens: dict[int, int] = {}  # per engine request (keyed by its first choice index)
 
-    def _frame(self, choices: list[dict[str, Any]]) -> bytes:
-        obj = {**self.head, "choices": choices}
+    def _frame(self, choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
+        obj = {**self.head, "choices": choices, **(extra or {})}
         if self.chat:
             obj["system_fingerprint"] = None
         if self.include_usage:
             obj["usage"] = self._usage() if self.continuous_usage else None
         return sse(obj)
 
-    def _usage(self) -> dict[str, int]:
-        return usage(sum(self.prompt_tokens.values()), sum(self.generated.values()))
+    def _usage(self) -> dict[str, Any]:
+        return usage(
+            sum(self.prompt_tokens.values()), sum(self.generated.values()), sum(self.cached.values())
+        )
 
     def role_frames(self, indices: Iterable[int]) -> bytes:
         """Chat streams open each choice with a role-only delta, as OpenAI does."""
@@ -294,9 +410,13 @@ class ChunkWriter:
             for i in indices
         )
 
-    def echo_frame(self, index: int, text: str) -> bytes:
+    def echo_frame(self, index: int, text: str, sample: ReturnSample | None = None) -> bytes:
+        self.echoed.add(index)
         self.offsets[index] = len(text)
-        return self._frame([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+        lps = None
+        if self.with_logprobs and sample is not None:
+            lps, _ = echo_logprobs(sample.prompt_token_ids or [], sample.prompt_logprobs, self.decode)
+        return self._frame([{"index": index, "text": text, "logprobs": lps, "finish_reason": None}])
 
     def frames(self, samples: Iterable[ReturnSample], index_offset: int = 0, request_key: int = 0) -> bytes:
         """One frame per sample that has something to say (text, logprobs or a finish reason)."""
@@ -305,8 +425,13 @@ class ChunkWriter:
             i = index_offset + s.index
             if s.num_prompt_tokens:
                 self.prompt_tokens[request_key] = s.num_prompt_tokens
+            first = s.prompt_token_ids is not None
+            if first and s.index == 0:
+                self.cached[request_key] = s.num_cached_tokens
+            if self.echo_texts is not None and i not in self.echoed:
+                parts.append(self.echo_frame(i, self.echo_texts[i], s))
             self.generated[i] = max(self.generated.get(i, 0), s.num_generated_tokens)
-            if not s.text and not s.logprobs and s.finish_reason is None:
+            if not s.text and not s.logprobs and s.finish_reason is None and not (first and self._extras_on):
                 continue  # e.g. the detokenizer is holding back half of a UTF-8 character
             lps = None
             if self.with_logprobs:
@@ -323,7 +448,16 @@ class ChunkWriter:
                 choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": s.finish_reason}
             else:
                 choice = {"index": i, "text": s.text, "logprobs": lps, "finish_reason": s.finish_reason}
-            parts.append(self._frame([choice]))
+            extra: dict[str, Any] = {}
+            if self.extras.return_token_ids:
+                choice["token_ids"] = s.token_ids
+                if first:
+                    (extra if self.chat else choice)["prompt_token_ids"] = s.prompt_token_ids
+            if self.extras.prompt_logprobs and first:
+                (extra if self.chat else choice)["prompt_logprobs"] = prompt_logprob_entries(
+                    s.prompt_logprobs, self.decode
+                )
+            parts.append(self._frame([choice], extra))
         return b"".join(parts)
 
     def usage_frame(self) -> bytes:
