@@ -300,3 +300,16 @@ def service_account_token(api: kube.Kube, namespace: str, name: str, timeout: fl
                 return base64.b64decode(token).decode()
         time.sleep(0.2)
     raise AssertionError(f"no token for ServiceAccount {namespace}/{name}")
+
+
+def ensure_namespace(api: kube.Kube, name: str) -> None:
+    """Create a namespace unless it is there already (`helm install --create-namespace`)."""
+    try:
+        api.request(
+            "POST",
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+        )
+    except ApiException as e:
+        if e.status != 409:
+            raise

@@ -21,9 +21,8 @@ from typing import Any
 
 import pytest
 import yaml
-from clusterkit import helm_order, render_chart, server_side_apply
+from clusterkit import ensure_namespace, helm_order, render_chart, server_side_apply
 from conftest import KIT
-from kubernetes.client.exceptions import ApiException
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,14 +118,7 @@ def test_every_rendered_object_is_accepted_by_the_server(k8s, stand_ins, scenari
     admin = k8s.kube()
     namespaces = {release_ns} | {o["metadata"].get("namespace") for o in rendered.objects} - {None}
     for ns in sorted(namespaces):  # `helm install --create-namespace`, and the watched namespaces
-        try:
-            admin.request(
-                "POST",
-                "/api/v1/namespaces",
-                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
-            )
-        except ApiException as e:
-            assert e.status == 409, e.body  # there already (another scenario, the RBAC test)
+        ensure_namespace(admin, ns)
     problems = []
     kinds = set()
     for obj in helm_order(rendered.objects):

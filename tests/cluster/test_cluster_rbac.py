@@ -18,6 +18,7 @@ from clusterkit import (
     Kubelet,
     clean_env,
     condition,
+    ensure_namespace,
     helm_order,
     inference_model,
     render_chart,
@@ -52,11 +53,7 @@ def _forbidden(api: kube.Kube, method: str, path: str, body: Any = None, **kw: A
 def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, tmp_path):
     admin = k8s.kube()
     rendered = render_chart({}, RELEASE_NS)
-    admin.request(
-        "POST",
-        "/api/v1/namespaces",
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": RELEASE_NS}},
-    )
+    ensure_namespace(admin, RELEASE_NS)
     rbac = [o for o in helm_order(rendered.objects) if o["kind"] in RBAC_KINDS]
     assert {o["kind"] for o in rbac} >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
     api_client = k8s.api_client()
@@ -204,14 +201,7 @@ def test_namespaced_operator_is_confined_to_its_namespaces(k8s, tmp_path):
     rendered = render_chart(values, "team-a")
     watched = values["watchNamespaces"]
     for ns in {"team-a", *watched, "elsewhere"}:
-        try:
-            admin.request(
-                "POST",
-                "/api/v1/namespaces",
-                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
-            )
-        except ApiException as e:
-            assert e.status == 409
+        ensure_namespace(admin, ns)
     api_client = k8s.api_client()
     for obj in helm_order(rendered.objects):
         if obj["kind"] in RBAC_KINDS:
