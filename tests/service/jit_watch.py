@@ -38,7 +38,8 @@ def compilations() -> Iterator[list[str]]:
 
 def live_mix(seed: int = 5) -> list[vSurgeRequest]:
     """Requests that reach every program: lone and packed prompts of each bucket, n > 1, seeded sampling
-    with logprobs, top_k with penalties."""
+    with logprobs, top_k with penalties, logit_bias / allowed_token_ids, prompt logprobs, and a prompt
+    longer than the largest bucket (chunked)."""
     rng = np.random.RandomState(seed)
     greedy = dict(temperature=0.0, ignore_eos=True, is_client_side_tokenization=True)
     reqs = [
@@ -52,6 +53,12 @@ def live_mix(seed: int = 5) -> list[vSurgeRequest]:
             prompt=[9, 8], max_tokens=4, top_k=5, repetition_penalty=1.3, presence_penalty=0.5, **greedy
         )
     )
+    reqs.append(vSurgeRequest(prompt=[4, 5], max_tokens=3, logit_bias={7: 5.0}, **greedy))
+    reqs.append(vSurgeRequest(prompt=[4, 6], max_tokens=3, allowed_token_ids=[8, 9], **sampled))
+    reqs.append(
+        vSurgeRequest(prompt=list(rng.randint(3, 300, size=11)), max_tokens=2, prompt_logprobs=2, **greedy)
+    )
+    reqs.append(vSurgeRequest(prompt=list(rng.randint(3, 300, size=100)), max_tokens=2, **greedy))
     return reqs
 
 

@@ -149,6 +149,33 @@ def test_prefix_cache_hit_is_exact_and_counted(surge, tiny):
     assert surge.metrics().prefix_cache_hits_total == m.hits
 
 
+def test_cached_tokens_and_prompt_logprobs_reach_the_caller(surge, tiny):
+    # usage.prompt_tokens_details.cached_tokens and prompt_logprobs come with a request's first delta
+    from vsurge.engines.vengine import vEngine
+
+    model, tok = tiny
+    prompt = [int(t) for t in np.random.RandomState(9).randint(3, 300, size=50)]
+
+    def first_delta(**kw):
+        active = surge.submit(ids_request(prompt, 2, **kw))
+        items = [s for batch in active.channel for s in batch]
+        return items[0]
+
+    first_delta()  # publishes the prompt's pages
+    again = first_delta(prompt_logprobs=3)
+    assert again.num_cached_tokens == 48  # six full pages of 8; the last token is always computed
+    assert again.prompt_token_ids == prompt
+    dense = vEngine(
+        model, tok, max_concurrent_decodes=1, **{k: SMALL[k] for k in ("prefill_lengths", "max_length")}
+    )
+    want = dense.score_prompt(prompt, 3)
+    got = again.prompt_logprobs
+    assert got[0] is None and len(got) == len(want) == len(prompt)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert a.token_id == b.token_id and a.rank == b.rank
+        np.testing.assert_allclose(a.logprob, b.logprob, atol=1e-5)
+
+
 def test_n_samples_share_the_prompt_pages(surge):
     prompt = list(range(3, 23))  # two full pages
     base = dict(temperature=1.0, seed=1234)
