@@ -13,7 +13,6 @@ import copy
 import json
 from typing import Any
 
-import pytest
 import test_operator_crd as crd_cases
 import test_operator_validation as validation_cases
 from kubernetes.client.exceptions import ApiException
@@ -33,16 +32,9 @@ OPERATOR_ONLY = {
     ("validation", "spec.nodeSelector.cloud.google.com/gke-tpu-topology"),  # conflicts with spec.tpu
 }
 
-# Found on the real server, not in the KMock tables: the server refused these and validation.py did not.
-EXTRA_BAD = [
-    ("spec.model.source", {"model": {"source": "default\n"}}),  # Go regexp: $ is the very end
-    ("spec.model.servedName", {"model": {"source": "default", "servedName": "llama\n"}}),
-    ("spec.env[1]", {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}),  # list-map key
-    ("spec.env[0].valueFrom", {"env": [{"name": "A", "valueFrom": "secret"}]}),
-    ("spec.resources.limits.cpu", {"resources": {"limits": {"cpu": 1.5}}}),  # int-or-string
-    ("spec.tolerations[0].tolerationSeconds", {"tolerations": [{"key": "k", "tolerationSeconds": "5"}]}),
-    ("spec.engine.mesh", {"engine": {"mesh": "tp=1," * 12 + "dp=1"}}),  # maxLength (CEL cost bound)
-]
+# The cases found on this server that validation.py let through (a trailing newline past a pattern, duplicate
+# env names, a float quantity, a non-object valueFrom, a string tolerationSeconds, an over-long mesh) are
+# now in test_operator_validation.BAD, so they are replayed here with the rest.
 
 
 def _post(api: Any, namespace: str, doc: dict[str, Any], dry_run: bool = True) -> dict[str, Any]:
@@ -67,9 +59,15 @@ def _rejection(api: Any, namespace: str, doc: dict[str, Any]) -> dict[str, Any] 
 def _names_field(status: dict[str, Any], field: str) -> bool:
     causes = [c.get("field") or "" for c in (status.get("details") or {}).get("causes") or []]
     field = field.replace("prefillLengths[]", "prefillLengths[0]")
-    return any(c == field or c.startswith(field + ".") or c.startswith(field + "[") for c in causes) or (
-        field in status.get("message", "")
-    )
+    # The server may name the field, a key below it, or the list item it belongs to (a duplicate env
+    # name is "spec.env[1]: Duplicate value" where validation.py says spec.env[1].name).
+    return any(
+        c == field
+        or c.startswith((field + ".", field + "["))
+        or (c.endswith("]") and field.startswith(c + "."))
+        for c in causes
+        if c
+    ) or (field in status.get("message", ""))
 
 
 CASES = [("crd", f, d) for f, d in crd_cases.BAD] + [("validation", f, d) for f, d in validation_cases.BAD]
@@ -94,14 +92,6 @@ def test_every_invalid_spec_of_the_kmock_suite_is_refused_by_the_server(k8s, nam
         if (table, field) in OPERATOR_ONLY:
             errors = validation.validate(doc, default_image=None if field == "spec.image" else "img")
             assert field in {e.field for e in errors}, (field, errors)
-
-
-@pytest.mark.parametrize(("field", "spec"), EXTRA_BAD, ids=[f for f, _ in EXTRA_BAD])
-def test_server_and_operator_refuse_the_same_extra_cases(k8s, namespace, field, spec):
-    doc = {"metadata": {"name": "m"}, "spec": {"model": {"source": "default"}, "image": "img", **spec}}
-    status = _rejection(k8s.kube(), namespace, doc)
-    assert status is not None and _names_field(status, field), status
-    assert validation.validate(doc), "validation.py accepts what the server refuses"
 
 
 def test_valid_specs_are_stored_with_the_servers_defaults(k8s, namespace):

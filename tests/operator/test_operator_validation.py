@@ -108,6 +108,16 @@ BAD = [
     ),
     ("spec.tolerations", _with("spec.tolerations", ["NoSchedule"])),
     ("spec.serviceAccountName", _with("spec.serviceAccountName", "Not_Valid")),
+    # Refused by the real API server (tests/cluster), so by the operator too:
+    ("spec.model.source", _with("spec.model.source", "default\n")),  # Go regexp: $ is the very end
+    ("spec.env[1].name", _with("spec.env", [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}])),
+    ("spec.env[0].valueFrom", _with("spec.env", [{"name": "A", "valueFrom": "secret"}])),
+    ("spec.resources.limits.cpu", _with("spec.resources", {"limits": {"cpu": 1.5}})),  # int-or-string
+    (
+        "spec.tolerations[0].tolerationSeconds",
+        _with("spec.tolerations", [{"key": "k", "tolerationSeconds": "5"}]),
+    ),
+    ("spec.engine.mesh", _with("spec.engine", {"mesh": "tp=1," * 12 + "dp=1"})),  # maxLength 64
 ]
 
 
