@@ -18,7 +18,10 @@ template), which needs no torch:
   (for `"llama"` vocabularies llama.cpp adds BOS unless the file says otherwise); `chat_template` from
   `tokenizer.chat_template` (None for a base model).
 
-Checked against transformers' own GGUF tokenizer (tests/service/test_gguf_tokenizer.py).
+Checked against transformers' own GGUF tokenizer (tests/service/test_gguf_tokenizer.py). Where the two differ
+we follow llama.cpp and the model's own tokenizer.json: transformers has no split for pre "smollm" (SmolLM2)
+and its relatives, which cut each digit off first; it does not set `ignore_merges` for Llama 3 vocabularies;
+and it adds no BOS to a Llama 3 vocabulary whose file does not say.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 from vsurge.models.errors import CheckpointError
 
-__all__ = ["PRE_TOKENIZER_SPLITS", "build_gguf_tokenizer", "gguf_backend_tokenizer", "load_gguf_tokenizer"]
+__all__ = ["PRE_TOKENIZER_SPLITS", "gguf_backend_tokenizer", "load_gguf_tokenizer"]
 
 # llama.cpp's token types (llama_token_type / gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -90,9 +93,6 @@ def load_gguf_tokenizer(path: str | os.PathLike):
         raise CheckpointError(f"{path}: cannot build a tokenizer from the GGUF metadata: {exc}") from exc
     tokenizer.name_or_path = str(path)
     return tokenizer
-
-
-build_gguf_tokenizer = load_gguf_tokenizer
 
 
 def gguf_backend_tokenizer(path: str | os.PathLike):
