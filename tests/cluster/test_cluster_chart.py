@@ -1,7 +1,7 @@
 """Every object the chart renders (Helm's own engine; the default, all-options and namespaced values of
 tests/helm/chartkit.py) is accepted by the real server: server-side apply with dryRun=All, in the order
-`helm install` creates them. helm-python-sdk renders charts but has no install action against a cluster, so
-this is what `helm install` would send, object by object.
+`helm install` creates them; and Helm's own install action (helm-python-sdk's Config.install, Helm 4)
+installs and uninstalls the chart for real (test_helm_install_for_real).
 
 The server must also keep what we wrote: kube-apiserver 1.20 silently drops fields it does not know, so
 each answer is compared with the rendered object (a field missing from the answer fails the test).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -140,3 +141,51 @@ def test_every_rendered_object_is_accepted_by_the_server(k8s, stand_ins, scenari
             problems.append(f"{obj['kind']} {obj['metadata']['name']}: the server dropped or changed {lost}")
     assert not problems, "\n".join(problems)
     assert kinds == {o["kind"] for o in rendered.objects}
+
+
+def test_helm_install_for_real(k8s, stand_ins, tmp_path):
+    """Helm's own install action (helm-python-sdk, Helm 4) against the cluster: the default values, then
+    the all-options ones, each installed and uninstalled. The chart as shipped asks for Kubernetes >= 1.28
+    and must be refused by a 1.20 server; a copy with that bound lowered is installed (release
+    `vsurge-helm`, so no object clashes with the other tests' `vsurge-*` RBAC objects)."""
+    import shutil
+
+    import helm_python
+    from conftest import REPO
+
+    chart_dir = REPO / "helm" / "vsurge"
+    sys.path.insert(0, str(REPO / "tests" / "helm"))
+    from chartkit import load_values
+
+    namespace = "helm-install"
+    config = helm_python.Config(kubeconfig_path=str(k8s.kubeconfig), namespace=namespace)
+    try:
+        with pytest.raises(helm_python.HelmError) as refused:
+            config.install(str(chart_dir), "vsurge-helm", {}, namespace=namespace, create_namespace=True)
+        # "chart requires kubeVersion: >=1.28.0-0 which is incompatible with Kubernetes v1.20.2"
+        assert "kubeVersion" in str(refused.value) and "v1.20" in str(refused.value), refused.value
+
+        copy = tmp_path / "vsurge"
+        shutil.copytree(chart_dir, copy)
+        meta = yaml.safe_load((copy / "Chart.yaml").read_text())
+        meta["kubeVersion"] = ">=1.20.0-0"
+        (copy / "Chart.yaml").write_text(yaml.safe_dump(meta))
+        admin = k8s.kube()
+        for values_file in (None, "all-options-values.yaml"):
+            release = config.install(
+                str(copy), "vsurge-helm", load_values(values_file), namespace=namespace, create_namespace=True
+            )
+            assert config.status("vsurge-helm")["status"] == "deployed", release
+            for kind, path in (
+                ("Deployment", f"/apis/apps/v1/namespaces/{namespace}/deployments"),
+                ("Service", f"/api/v1/namespaces/{namespace}/services"),
+                ("PodDisruptionBudget", f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets"),
+            ):
+                names = {o["metadata"]["name"] for o in admin.request("GET", path)["items"]}
+                assert {"vsurge-helm-router"} <= names or kind != "Deployment", (kind, names)
+                assert names, (kind, values_file)
+            config.uninstall("vsurge-helm", wait="watcher", timeout=60)
+            left = admin.request("GET", f"/apis/apps/v1/namespaces/{namespace}/deployments")["items"]
+            assert not [o for o in left if not o["metadata"].get("deletionTimestamp")], left
+    finally:
+        config.close()
