@@ -186,9 +186,9 @@ def _models(url: str) -> dict[str, bool]:
     return {m["id"]: m.get("ready") for m in data}
 
 
-def test_namespaced_operator_is_confined_to_its_namespaces(k8s, tmp_path):
+def test_namespaced_operator_and_router_are_confined_to_their_namespaces(k8s, tmp_path):
     """`watchNamespaces: [team-a, team-b]` (ci/namespaced-values.yaml): Roles in those two namespaces and a
-    read-only ClusterRole for kopf; the operator works in team-a and is refused anywhere else."""
+    read-only ClusterRole for kopf; the operator and the router work there and are refused anywhere else."""
     import sys
 
     from conftest import REPO
@@ -206,22 +206,34 @@ def test_namespaced_operator_is_confined_to_its_namespaces(k8s, tmp_path):
     for obj in helm_order(rendered.objects):
         if obj["kind"] in RBAC_KINDS:
             server_side_apply(api_client, obj)
-    (sa,) = [
-        o["metadata"]["name"]
-        for o in rendered.of_kind("ServiceAccount")
-        if "operator" in o["metadata"]["name"]
-    ]
-    config = k8s.token_kubeconfig(
-        tmp_path / "op.kubeconfig", service_account_token(admin, "team-a", sa), "team-a"
-    )
+    accounts = {o["metadata"]["name"] for o in rendered.of_kind("ServiceAccount")}
+    assert accounts == {"vsurge-operator", "vsurge-router"}
+    configs = {
+        name: k8s.token_kubeconfig(
+            tmp_path / f"{name}.kubeconfig", service_account_token(admin, "team-a", name), "team-a"
+        )
+        for name in accounts
+    }
+    config = configs["vsurge-operator"]
     as_operator = kube.Kube(_client(config))
     assert _forbidden(as_operator, "GET", "/apis/vsurge.io/v1alpha1/namespaces/elsewhere/inferencemodels")
     assert _forbidden(as_operator, "GET", "/apis/vsurge.io/v1alpha1/inferencemodels")  # no cluster-wide list
     assert _forbidden(as_operator, "GET", "/apis/apps/v1/namespaces/elsewhere/deployments")
+    as_router = kube.Kube(_client(configs["vsurge-router"]))
+    assert _forbidden(as_router, "GET", "/apis/vsurge.io/v1alpha1/inferencemodels")
+    assert _forbidden(as_router, "GET", "/apis/vsurge.io/v1alpha1/namespaces/elsewhere/inferencemodels")
 
     kubelet = Kubelet(admin, "team-b").start()
     operator = start_operator(config, tmp_path / "operator.log", *(f"--namespace={ns}" for ns in watched))
+    port = free_port()
+    router = LoggedProcess(  # as the chart runs it: one watch per listed namespace
+        [*vsurge_command(), "route", "--host=127.0.0.1", f"--port={port}"]
+        + [f"--namespace={ns}" for ns in watched],
+        tmp_path / "router.log",
+        clean_env(KUBECONFIG=str(configs["vsurge-router"])),
+    ).start()
     try:
+        router.wait_http(f"http://127.0.0.1:{port}/readiness", timeout=60)
         admin.create(IM, "team-b", inference_model("confined", "team-b", replicas=1))
         wait_for(
             lambda: (admin.get(IM, "team-b", "confined") or {}).get("status", {}).get("readyReplicas") == 1,
@@ -233,10 +245,13 @@ def test_namespaced_operator_is_confined_to_its_namespaces(k8s, tmp_path):
 
         time.sleep(3)  # an operator that watched "elsewhere" would have made its Deployment by now
         assert admin.get(kube.DEPLOYMENT, "elsewhere", "ignored") is None
+        models = _models(f"http://127.0.0.1:{port}")
+        assert models.get("confined") is True and "ignored" not in models, models
         admin.delete(IM, "team-b", "confined")
         wait_for(lambda: admin.get(IM, "team-b", "confined") is None, 20, message="finalizer removed")
     finally:
+        router.stop()
         operator.stop()
         kubelet.stop()
-    log = operator.log()
-    assert " 403" not in log and "orbidden" not in log, log[-3000:]
+    for log in (operator.log(), router.log()):
+        assert " 403" not in log and "orbidden" not in log, log[-3000:]
