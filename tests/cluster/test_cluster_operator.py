@@ -248,3 +248,58 @@ def test_restart_and_two_racing_operators_create_no_duplicates(k8s, api, namespa
         st = _status(api, namespace, name)
         assert condition({"status": st}, "Degraded")["status"] == "False", st
     assert len(api.list(REPLICA_SET, namespace)) == len(names)
+
+
+def test_edit_storm_converges_to_the_last_edit(k8s, api, namespace, operator, kubelet):
+    """Users edit the model while the operator writes to it (kopf's finalizer and annotation patches carry
+    the resourceVersion they read; the status and scale writes race with the edits): whatever conflicts the
+    server answers, the workload ends at the last edit and the model is healthy."""
+    import threading
+    import time
+
+    operator()
+    api.create(IM, namespace, inference_model("storm", namespace, replicas=1))
+    stop = threading.Event()
+    edits: list[int] = []
+    conflicts: list[int] = []
+
+    def editor() -> None:  # like `kubectl edit`: read, change, write back with the resourceVersion read
+        n = 0
+        while not stop.is_set():
+            n += 1
+            live = api.get(IM, namespace, "storm")
+            body = {**live, "spec": {**live["spec"], "replicas": 1 + n % 3}}
+            body["metadata"] = {
+                **live["metadata"],
+                "annotations": {**(live["metadata"].get("annotations") or {}), "edit": str(n)},
+            }
+            try:
+                api.request("PUT", IM.path(namespace, "storm"), body)
+                edits.append(body["spec"]["replicas"])
+            except kube.ApiException as e:
+                assert e.status == 409, e.body  # a stale resourceVersion: the server refuses the write
+                conflicts.append(n)
+            time.sleep(0.05)
+
+    t = threading.Thread(target=editor, daemon=True)
+    t.start()
+    time.sleep(4)
+    stop.set()
+    t.join(10)
+    assert edits, "no edit got through"
+    last = api.get(IM, namespace, "storm")["spec"]["replicas"]
+    wait_for(
+        lambda: api.get(kube.DEPLOYMENT, namespace, "storm")["spec"]["replicas"] == last,
+        20,
+        message="last edit",
+    )
+    wait_for(
+        lambda: _status(api, namespace, "storm").get("readyReplicas") == last,
+        20,
+        message="ready at the last edit",
+    )
+    model = api.get(IM, namespace, "storm")
+    assert model["metadata"]["finalizers"] and condition(model, "Degraded")["status"] == "False"
+    assert model["status"]["observedGeneration"] == model["metadata"]["generation"]
+    assert len(api.list(kube.DEPLOYMENT, namespace)) == 1
+    print(f"{len(edits)} edits, {len(conflicts)} refused with 409 (stale resourceVersion)")
