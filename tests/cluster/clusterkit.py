@@ -148,15 +148,20 @@ class Kubelet:
 
 
 def start_operator(
-    kubeconfig: Path, log_path: Path, *args: str, env: dict[str, str] | None = None
+    kubeconfig: Path, log_path: Path, *args: str, env: dict[str, str] | None = None, standalone: bool = True
 ) -> OperatorProcess:
-    """``python -m vsurge_operator`` against the cluster, with short intervals for tests."""
+    """``python -m vsurge_operator`` against the cluster, with short intervals for tests.
+
+    ``standalone=False`` leaves peering to kopf's auto-detection, as the chart runs it."""
     defaults = [
         "--resync-seconds=2",
         "--retry-delay-seconds=1",
         "--default-image=ghcr.io/vsurge-stack/vsurge-service:test",
     ]
-    return OperatorProcess(kubeconfig, log_path, [*defaults, *args], env=env).start()
+    proc = OperatorProcess(kubeconfig, log_path, [*defaults, *args], env=env)
+    if not standalone:
+        proc.args = [a for a in proc.args if a != "--standalone"]
+    return proc.start()
 
 
 def vsurge_command() -> list[str]:

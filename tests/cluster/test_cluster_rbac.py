@@ -105,7 +105,10 @@ def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, t
     )
 
     kubelet = Kubelet(admin, namespace).start()
-    operator = start_operator(configs["vsurge-operator"], tmp_path / "operator.log", "--all-namespaces")
+    # As the chart runs it: --all-namespaces, peering left to kopf (no KopfPeering CRD here: standalone).
+    operator = start_operator(
+        configs["vsurge-operator"], tmp_path / "operator.log", "--all-namespaces", standalone=False
+    )
     port = free_port()
     router = LoggedProcess(
         [
