@@ -1,8 +1,9 @@
 """Chunk-by-chunk prefill of one sequence into a dense row: prompts longer than the largest prefill bucket,
 and prompt logprobs (vLLM's `prompt_logprobs`, OpenAI's `echo` + `logprobs`).
 
-A prompt of n tokens runs as chunks of at most `max_prefill_length` tokens, each padded to a prefill
-bucket; chunk i starts at i * max_prefill_length and attends to the row written by the chunks before it
+A prompt of n tokens runs as chunks of at most `max_prefill_length` tokens, each padded to one of two
+chunk buckets (the smallest prefill bucket of at least 128 tokens, and the largest: each chunk program
+costs a prefill's compile time, and a short chunk padded to 128 tokens costs little); chunk i starts at i * max_prefill_length and attends to the row written by the chunks before it
 (`ChunkAttention`). The row is `round_up(max_length, max_prefill_length)` long, so no chunk's write is
 ever clamped. Per chunk, when asked, one more program turns the chunk's hidden states into the logprob of
 each next prompt token and the top `MAX_TOP_LOGPROBS`: the normal prefill never pays for logits at every
@@ -27,6 +28,7 @@ from ..sampling_params import MAX_TOP_LOGPROBS
 from .sampling import _top_k
 
 Rows = tuple[tuple[jax.Array, jax.Array], ...]
+SMALL_CHUNK = 128
 
 
 def _extend_impl(graphdef, params, rows: Rows, tokens, start):
@@ -64,7 +66,8 @@ class ChunkedPrefill:
         dtype: Any,
     ):
         self.params = params
-        self.buckets = list(buckets)
+        small = next((b for b in buckets if b >= min(SMALL_CHUNK, chunk)), chunk)
+        self.buckets = sorted({small, chunk})
         self.chunk = chunk
         self.row_length = -(-max_length // chunk) * chunk
         self.pad_token_id = pad_token_id

@@ -141,7 +141,7 @@ class EngineBase:
     def warm_chunked(self) -> None:
         """Run every chunk program once (compile() of either engine)."""
         scored = [1] * min(self.max_prefill_length, self.max_length - 1)
-        for n in self.prefill_lengths:
+        for n in self.chunked.buckets:
             self.score_prompt(scored[:n], 0)
 
     def _samplers(self, shardings: Any) -> dict[int, Any]:
