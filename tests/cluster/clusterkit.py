@@ -25,6 +25,7 @@ from operator_harness import OperatorProcess
 from vsurge_operator import kube
 
 REPO = Path(__file__).resolve().parents[2]
+KIT = Path(os.environ.get("K8SKIT_HOME") or REPO.parent / "shared" / "k8s")  # the kit: ../shared/k8s
 IM = kube.INFERENCE_MODEL
 NAMESPACE = kube.Resource("v1", "namespaces", "Namespace")
 REPLICA_SET = kube.Resource("apps/v1", "replicasets", "ReplicaSet")
@@ -40,6 +41,20 @@ def next_pod_ip() -> str:
         n = _next_ip[0]
         _next_ip[0] = n + 1 if n < 249 else 20
         return f"127.0.0.{n}"
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 20, interval: float = 0.1, message: str = ""
+) -> Any:
+    """Poll until ``predicate`` returns something truthy; return it, or fail with ``message``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s: {message} (last: {last!r})")
 
 
 def inference_model(name: str, namespace: str, **spec: Any) -> dict[str, Any]:

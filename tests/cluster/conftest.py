@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,8 @@ for _extra in (str(REPO / "operator"), str(REPO / "tests"), str(REPO / "tests" /
     if _extra not in sys.path:
         sys.path.insert(0, _extra)
 
-KIT = Path(os.environ.get("K8SKIT_HOME") or REPO.parent / "shared" / "k8s")
+from clusterkit import KIT  # noqa: E402 - after the sys.path lines above
+
 CRD_FILE = REPO / "helm" / "vsurge" / "crds" / "inferencemodels.vsurge.io.yaml"
 LWS_CRD_FILE = KIT / "crds" / "leaderworkersets.leaderworkerset.x-k8s.io.yaml"
 
@@ -195,23 +196,6 @@ def namespace(k8s: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
         api.request("DELETE", f"/api/v1/namespaces/{name}")
     except Exception:
         pass
-
-
-# ------------------------------------------------------------------------------------------- helpers
-
-
-def wait_for(
-    predicate: Callable[[], Any], timeout: float = 20, interval: float = 0.1, message: str = ""
-) -> Any:
-    """Poll until ``predicate`` returns something truthy; return it, or fail with ``message``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s: {message} (last: {last!r})")
 
 
 # ------------------------------------------------------------------------------ a real `vsurge serve`

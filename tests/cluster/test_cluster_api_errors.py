@@ -18,8 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusterkit import IM, Kubelet, condition, events, inference_model, start_operator
-from conftest import wait_for
+from clusterkit import IM, Kubelet, condition, events, inference_model, start_operator, wait_for
 
 from vsurge_operator import kube
 

@@ -13,8 +13,7 @@ import time
 
 import httpx
 import pytest
-from clusterkit import IM, Kubelet, events, inference_model, start_operator
-from conftest import wait_for
+from clusterkit import IM, Kubelet, events, inference_model, start_operator, wait_for
 
 from vsurge_operator import kube
 

@@ -22,8 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from clusterkit import ensure_namespace, helm_order, render_chart, server_side_apply
-from conftest import KIT
+from clusterkit import KIT, REPO, ensure_namespace, helm_order, render_chart, server_side_apply
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,8 +107,6 @@ SCENARIOS = {
 def test_every_rendered_object_is_accepted_by_the_server(k8s, stand_ins, scenario):
     import sys
 
-    from conftest import REPO
-
     sys.path.insert(0, str(REPO / "tests" / "helm"))
     from chartkit import load_values
 
@@ -151,7 +148,6 @@ def test_helm_install_for_real(k8s, stand_ins, tmp_path):
     import shutil
 
     import helm_python
-    from conftest import REPO
 
     chart_dir = REPO / "helm" / "vsurge"
     sys.path.insert(0, str(REPO / "tests" / "helm"))

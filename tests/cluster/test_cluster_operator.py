@@ -18,8 +18,8 @@ from clusterkit import (
     kubectl,
     pods,
     start_operator,
+    wait_for,
 )
-from conftest import wait_for
 
 from vsurge_operator import kube
 

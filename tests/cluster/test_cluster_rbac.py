@@ -15,6 +15,7 @@ import httpx
 import pytest
 from clusterkit import (
     IM,
+    REPO,
     Kubelet,
     clean_env,
     condition,
@@ -26,8 +27,8 @@ from clusterkit import (
     service_account_token,
     start_operator,
     vsurge_command,
+    wait_for,
 )
-from conftest import wait_for
 from kmock_harness import LoggedProcess, free_port
 from kubernetes.client.exceptions import ApiException
 
@@ -193,8 +194,6 @@ def test_namespaced_operator_and_router_are_confined_to_their_namespaces(k8s, tm
     """`watchNamespaces: [team-a, team-b]` (ci/namespaced-values.yaml): Roles in those two namespaces and a
     read-only ClusterRole for kopf; the operator and the router work there and are refused anywhere else."""
     import sys
-
-    from conftest import REPO
 
     sys.path.insert(0, str(REPO / "tests" / "helm"))
     from chartkit import load_values

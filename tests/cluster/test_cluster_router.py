@@ -18,8 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from clusterkit import IM, clean_env, inference_model, vsurge_command
-from conftest import wait_for
+from clusterkit import IM, clean_env, inference_model, vsurge_command, wait_for
 from kmock_harness import LoggedProcess, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
