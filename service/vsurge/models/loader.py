@@ -97,12 +97,18 @@ def _read_config(directory: str) -> dict[str, Any]:
 
 
 def _hf_tokenizer(directory: str):
-    from transformers import AutoTokenizer
-
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.exists(os.path.join(directory, n)) for n in names):
         log.warning("%s: no tokenizer files; the model accepts token ids only", directory)
         return None
+    if os.path.exists(os.path.join(directory, "tokenizer.json")):
+        # AutoTokenizer reads the model config through transformers' modeling code, which imports torch
+        # wherever it is installed; the fast tokenizer alone never does
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(directory)
 
 
