@@ -71,10 +71,15 @@ def test_corrupt_bytes_fail_sha256(hub, sharded_ckpt, tmp_path):
     ):
         resolve("hf://acme/corrupt")
     assert complete_revisions(tmp_path / "cache") == []
-    hub.corrupt.clear()  # the next attempt fetches the bad file again, and only the missing files
+    (staging,) = (tmp_path / "cache").glob("models/*/*.partial")
+    kept = {p.name: p.stat().st_size for p in staging.iterdir() if p.is_file() and not p.name.startswith(".")}
+    assert shard not in kept and not any(n.endswith(".part") and n.startswith(shard) for n in kept)
+    hub.corrupt.clear()  # the next attempt fetches the bad file again, and only the files not yet verified
     before = download_bytes()["hf"]
     path = resolve("hf://acme/corrupt")
-    assert download_bytes()["hf"] - before == (sharded_ckpt / shard).stat().st_size
+    total = sum(p.stat().st_size for p in sharded_ckpt.iterdir())
+    verified = sum(size for name, size in kept.items() if not name.endswith((".part", ".part.json")))
+    assert download_bytes()["hf"] - before == total - verified
     assert Path(path, shard).read_bytes() == (sharded_ckpt / shard).read_bytes()
 
 

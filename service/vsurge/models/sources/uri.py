@@ -48,7 +48,7 @@ def parse(source: str) -> SourceURI:
     scheme, sep, rest = source.partition("://")
     if not sep or scheme not in REMOTE_SCHEMES:
         raise ModelSourceError(source, f"not a remote source (expected one of {', '.join(REMOTE_SCHEMES)})")
-    rest = rest.strip("/")
+    rest = rest.rstrip("/")
     if scheme == "hf":
         parts = rest.split("/")
         if len(parts) < 2 or not parts[0] or not parts[1]:
