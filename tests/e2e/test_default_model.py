@@ -11,6 +11,8 @@ import vsurge
 from vsurge.models import greedy_generate, logits
 from vsurge.models.default_model import default_model_path
 
+pytestmark = pytest.mark.slow  # loads the real default model (make test-fast skips it)
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -68,6 +68,7 @@ def test_serving_benchmark_measures_the_server(base_url):
     assert serving.summarize(results, duration)["completed"] == 6
 
 
+@pytest.mark.slow
 @pytest.mark.soak
 def test_short_soak(server):
     """30 streaming clients for 8 s, a third hanging up mid-stream, malformed requests mixed in."""

@@ -11,6 +11,8 @@ import logging
 import pytest
 from server_helpers import MODEL
 
+pytestmark = pytest.mark.slow  # two evaluation runs (ours and transformers'): ~2 min on 2 cores
+
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a test dependency (pip install -e '.[test]')")
 
 DOCS = [
