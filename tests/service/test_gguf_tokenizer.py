@@ -1,4 +1,4 @@
-"""The torch-free GGUF tokenizer (vsurge.models.gguf_tokenizer) against transformers' own GGUF tokenizer.
+"""The torch-free GGUF tokenizer (vsurge.models.gguf.tokenizer) against transformers' own GGUF tokenizer.
 
 The reference is `AutoTokenizer.from_pretrained(dir, gguf_file=name)`, which imports torch (installed in the
 test venv only). Checked on the default model's file (SmolLM2, byte-level BPE, pre-tokenizer "smollm") and on a
@@ -28,7 +28,7 @@ import pytest
 from vsurge.models.default_model import default_model_path
 from vsurge.models.errors import CheckpointError
 from vsurge.models.gguf import load_gguf_tokenizer
-from vsurge.models.gguf_tokenizer import gguf_backend_tokenizer
+from vsurge.models.gguf.tokenizer import gguf_backend_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 

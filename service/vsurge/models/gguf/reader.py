@@ -840,6 +840,6 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     Built without torch from the vocabulary, merges and token types of the file (`gguf_tokenizer.py`).
     `chat_template` is the file's `tokenizer.chat_template`, or None when the file has none (a base model).
     """
-    from vsurge.models.gguf_tokenizer import load_gguf_tokenizer as build
+    from .tokenizer import load_gguf_tokenizer as build
 
     return build(path)

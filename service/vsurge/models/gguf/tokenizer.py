@@ -126,7 +126,7 @@ def _transformers_fast_tokenizer():
 
 
 def _read_spec(path: Path) -> dict[str, Any]:
-    from vsurge.models.gguf import StringArray, read_gguf_metadata
+    from .reader import StringArray, read_gguf_metadata
 
     meta = read_gguf_metadata(path, decode=_ARRAYS)
     tokens = meta.get("tokenizer.ggml.tokens")
