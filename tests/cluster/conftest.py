@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ def skip_reason() -> str | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = skip_reason()
     for item in items:
-        if HERE not in Path(str(item.fspath)).resolve().parents:
+        if not _in_cluster_suite(item):
             continue
         item.add_marker(pytest.mark.cluster)
         if reason:
@@ -62,6 +62,27 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     ]
     if skipped:
         terminalreporter.write_line(f"{len(skipped)} cluster tests skipped: {skip_reason()}", yellow=True)
+
+
+# Session resources are released as soon as the last cluster test is done, not at the end of `make test`:
+# the cluster (~630 MB) and the tiny server (which holds ports 11556/11557 of its IP) would otherwise stay
+# up while the other suites run.
+_after_last_cluster_test: list[Callable[[], Any]] = []
+
+
+def _in_cluster_suite(item: pytest.Item) -> bool:
+    return HERE in Path(str(item.fspath)).resolve().parents
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if not _in_cluster_suite(item) or not _after_last_cluster_test:
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1 :] if item in items else []
+    if not any(_in_cluster_suite(i) for i in later):
+        while _after_last_cluster_test:
+            _after_last_cluster_test.pop()()
 
 
 # ------------------------------------------------------------------------------------------- cluster
@@ -175,6 +196,11 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             text=True,
         )
         env = _read_env(run_dir / "env")
+        _after_last_cluster_test.append(
+            lambda: subprocess.run(
+                [str(KIT / "down"), str(run_dir)], check=False, timeout=120, capture_output=True
+            )
+        )
         yield Cluster(run_dir, env, time.monotonic() - started)
     except subprocess.CalledProcessError as e:
         pytest.fail(f"k8skit up failed ({e.returncode}):\n{e.stdout[-3000:]}\n{e.stderr[-6000:]}")
@@ -270,11 +296,16 @@ def _prestart_tiny_server(
     wanted = any("tiny_server" in getattr(item, "fixturenames", ()) for item in request.session.items)
     if wanted and not skip_reason():
         _start_tiny(tmp_path_factory.mktemp("tiny"))
+        _after_last_cluster_test.append(_stop_tiny)
     try:
         yield
     finally:
-        if "server" in _tiny:
-            _tiny.pop("server").proc.stop()
+        _stop_tiny()
+
+
+def _stop_tiny() -> None:
+    if "server" in _tiny:
+        _tiny.pop("server").proc.stop()
 
 
 @pytest.fixture
