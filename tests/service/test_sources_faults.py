@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,7 +79,11 @@ def test_two_processes_share_one_download(s3, tmp_path):
     s3.create_bucket(Bucket="shared")
     for p in ckpt.iterdir():
         s3.upload_file(str(p), "shared", f"m/{p.name}")
-    env = {"VSURGE_DOWNLOAD_CHUNK_BYTES": str(256 << 10), "VSURGE_DOWNLOAD_WORKERS": "2"}
+    env = {
+        "VSURGE_DOWNLOAD_CHUNK_BYTES": str(256 << 10),
+        "VSURGE_DOWNLOAD_WORKERS": "2",
+        "VSURGE_PROGRESS_INTERVAL": "0.2",
+    }
     a, b = _spawn("s3://shared/m", **env), _spawn("s3://shared/m", **env)
     out_a, out_b = a.communicate(timeout=180)[0], b.communicate(timeout=180)[0]
     assert a.returncode == 0 and b.returncode == 0, out_a + out_b
@@ -89,3 +94,7 @@ def test_two_processes_share_one_download(s3, tmp_path):
     # One process downloaded; the other waited for the lock or found the finished cache.
     assert sum("downloading 2 of 2 files" in out for out in (out_a, out_b)) == 1, out_a + out_b
     assert len(complete_revisions(tmp_path / "cache")) == 1
+    # the downloader's periodic total: bytes, percent, rate, ETA
+    assert re.search(
+        r"s3://shared/m: [\d.]+ MB of 16\.8 MB \(\d+%\), [\d.]+ MB/s, ETA \d+s", out_a + out_b
+    ), out_a + out_b
