@@ -31,6 +31,7 @@ CONTAINER_NAME = "server"
 CACHE_DIR = "/var/cache/vsurge"
 MODEL_MOUNT = "/mnt/models"
 CREDENTIALS_DIR = "/var/run/secrets/vsurge/model-credentials"
+IMAGE_GID = 10001  # the vsurge user's group in the service image
 
 # Loading weights and compiling every bucket takes minutes on a large slice; the startup probe gives the
 # server up to 30 minutes before the liveness probe takes over.
@@ -270,6 +271,9 @@ def pod_template(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "volumes": [cache_volume(model)],
     }
+    if model.cache_claim:
+        # The image runs as uid/gid 10001 (docker/service.Dockerfile): make the claim writable for it.
+        pod_spec["securityContext"] = {"fsGroup": IMAGE_GID, "fsGroupChangePolicy": "OnRootMismatch"}
     if model.credentials_secret:
         pod_spec["volumes"].append(
             {

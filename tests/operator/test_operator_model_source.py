@@ -165,6 +165,10 @@ def test_cache_is_an_emptydir_with_a_size_limit_or_a_pvc():
         "name": "cache",
         "persistentVolumeClaim": {"claimName": "model-cache"},
     }
+    assert (
+        manifests.pod_template(claimed)["spec"]["securityContext"]["fsGroup"] == 10001
+    )  # writable by the image's user
+    assert "securityContext" not in manifests.pod_template(sized)["spec"]
     mounts = manifests.pod_template(claimed)["spec"]["containers"][0]["volumeMounts"]
     assert {"name": "cache", "mountPath": manifests.CACHE_DIR} in mounts
 
@@ -202,3 +206,16 @@ def test_crd_patterns_match_the_operator():
     assert props["cache"]["properties"]["sizeLimit"]["pattern"] == validation.QUANTITY_PATTERN
     rules = [r["rule"] for r in props["cache"]["x-kubernetes-validations"]]
     assert rules == ["!(has(self.sizeLimit) && has(self.claimName))"]
+
+
+def test_pods_with_credentials_and_cache_are_valid_kubernetes_objects():
+    """The Deployment built with every new field passes Kubernetes' own OpenAPI schema (strict)."""
+    from kubernetes_validate import utils as kv
+
+    for cache in ({"sizeLimit": "100Gi"}, {"claimName": "model-cache"}):
+        _, model = _spec(
+            model={"source": "gs://b/llama", "credentialsSecret": "gcs-key"},
+            serviceAccountName="reader",
+            cache=cache,
+        )
+        kv.validate(manifests.deployment(model), kv.latest_version(), strict=True)
