@@ -12,6 +12,7 @@ from typing import Any
 from .drivers.active_request import ActiveRequest, ReturnChannel
 from .drivers.metrics import DriverMetrics, RequestStats
 from .drivers.vdriver import vDriver
+from .engine_config import EngineConfig
 from .engines.vengine import vEngine
 from .request import (
     PromptTooLongError,
@@ -26,6 +27,7 @@ from .sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "EngineConfig",
     "PromptTooLongError",
     "QueueFullError",
     "RequestFailedError",
@@ -54,36 +56,47 @@ class vSurge:  # noqa: N801 - the seed's name
 
     # ------------------------------------------------------------------ construction
     @classmethod
+    def create(
+        cls,
+        model: Any,
+        processor: Any,
+        config: EngineConfig | None = None,
+        *,
+        vsurge_name: str | None = None,
+        **kw: Any,
+    ) -> vSurge:
+        """The driver ``config.driver`` names (vdriver or odriver), built from ``config`` and ``kw``."""
+        config = EngineConfig.build(config, **kw)
+        create = cls.create_odriver if config.driver == "odriver" else cls.create_vdriver
+        return create(model, processor, config, vsurge_name=vsurge_name)
+
+    @classmethod
     def create_vdriver(
         cls,
         model: Any,
         processor: Any,
-        max_concurrent_decodes: int | None = None,
-        prefill_lengths: Sequence[int] | None = None,
-        max_prefill_length: int | None = None,
-        max_length: int | None = None,
-        seed: int = 894,
+        config: EngineConfig | None = None,
+        *,
         vsurge_name: str | None = None,
-        mesh: Any = None,
-        interleaved_mode: bool = False,
-        max_queue_size: int = 1024,
-        max_concurrent_prefill: int | None = None,
+        **kw: Any,
     ) -> vSurge:
-        """One vEngine doing both prefill and decode, driven by a vDriver. ``max_concurrent_prefill``:
-        how many waiting prompts one prefill call packs together (default 16)."""
-        mesh = _as_mesh(mesh)
-        engine = vEngine(
-            model,
-            processor,
-            max_concurrent_decodes=max_concurrent_decodes,
-            max_concurrent_prefill=max_concurrent_prefill,
-            prefill_lengths=prefill_lengths,
-            max_prefill_length=max_prefill_length,
-            max_length=max_length,
-            seed=seed,
-            mesh=mesh,
+        """One vEngine doing both prefill and decode, driven by a vDriver.
+
+        ``config`` (an EngineConfig; default: every default) with the keyword arguments applied, e.g.
+        ``create_vdriver(model, tok, max_concurrent_decodes=32, max_length=1024)``. The knobs, their defaults
+        and their checks are EngineConfig's (``max_concurrent_prefill``: how many waiting prompts one
+        prefill call packs together, default 16)."""
+        config = EngineConfig.build(config, **kw).replace(driver="vdriver")
+        config = config.replace(mesh=_as_mesh(config.mesh))
+        engine = vEngine(model, processor, config)
+        driver = vDriver(
+            engine,
+            engine,
+            interleaved_mode=config.interleaved_mode,
+            detokenizing_blocks=config.detokenizing_blocks,
+            max_queue_size=config.max_queue_size,
+            max_decode_stall=config.max_decode_stall,
         )
-        driver = vDriver(engine, engine, interleaved_mode=interleaved_mode, max_queue_size=max_queue_size)
         return cls(driver, vsurge_name)
 
     @classmethod
@@ -91,52 +104,30 @@ class vSurge:  # noqa: N801 - the seed's name
         cls,
         model: Any,
         processor: Any,
+        config: EngineConfig | None = None,
+        *,
         storage: Any = None,
         manager: Any = None,
-        page_size: int = 128,
-        hbm_utilization: float = 0.6,
-        max_concurrent_prefill: int | None = None,
-        max_concurrent_decodes: int | None = None,
-        prefill_lengths: Sequence[int] | None = None,
-        max_prefill_length: int | None = None,
-        max_length: int | None = None,
-        seed: int = 894,
         vsurge_name: str | None = None,
-        mesh: Any = None,
-        kv_cache_bytes: int | None = None,
-        max_queue_size: int = 1024,
-        min_decode_tokens: int = 128,
-        enable_prefix_caching: bool = True,
+        **kw: Any,
     ) -> vSurge:
-        """One paged oEngine driven by an oDriver.
+        """One paged oEngine driven by an oDriver; ``config`` and keywords as in create_vdriver.
 
         The KV pages take ``hbm_utilization`` of the free device memory JAX reports, or ``kv_cache_bytes``
         (required to size it exactly; on CPU, where JAX reports none, a small default applies). Prompts
-        longer than the largest prefill bucket are prefilled in chunks.
+        longer than the largest prefill bucket are prefilled in chunks. ``storage`` / ``manager``: a
+        PagedAttentionCache / HBMPageManager to use instead of new ones.
         """
         from .drivers.odriver import oDriver
         from .engines.oengine import oEngine
 
-        mesh = _as_mesh(mesh)
-        engine = oEngine(
-            model,
-            processor,
-            storage=storage,
-            manager=manager,
-            max_concurrent_decodes=max_concurrent_decodes,
-            max_concurrent_prefill=max_concurrent_prefill,
-            prefill_lengths=prefill_lengths,
-            max_prefill_length=max_prefill_length,
-            max_length=max_length,
-            seed=seed,
-            mesh=mesh,
-            page_size=page_size,
-            hbm_utilization=hbm_utilization,
-            kv_cache_bytes=kv_cache_bytes,
-            min_decode_tokens=min_decode_tokens,
-            enable_prefix_caching=enable_prefix_caching,
+        config = EngineConfig.build(config, **kw).replace(driver="odriver")
+        config = config.replace(mesh=_as_mesh(config.mesh))
+        engine = oEngine(model, processor, config, storage=storage, manager=manager)
+        driver = oDriver(
+            engine, detokenizing_blocks=config.detokenizing_blocks, max_queue_size=config.max_queue_size
         )
-        return cls(oDriver(engine, max_queue_size=max_queue_size), vsurge_name)
+        return cls(driver, vsurge_name)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -158,6 +149,16 @@ class vSurge:  # noqa: N801 - the seed's name
     @property
     def max_length(self) -> int:
         return min(e.max_length for e in self._driver.engines)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: the valid token ids (the tokenizer may know fewer)."""
+        return int(self._engine.config.vocab_size)
+
+    @property
+    def live(self) -> bool:
+        """The driver's threads are running (False before start() and once a thread died or stop())."""
+        return self._driver.live
 
     @property
     def max_prompt_length(self) -> int:

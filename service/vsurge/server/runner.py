@@ -26,8 +26,8 @@ import uvicorn
 
 from .metrics import start_metrics_server
 
-if TYPE_CHECKING:
-    from .app import vSurgeApiServer
+if TYPE_CHECKING:  # the server module imports this one (fire), never the other way round
+    from .lifecycle import Lifecycle as vSurgeApiServer  # noqa: N812
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class DrainingServer(uvicorn.Server):
         self.api = api
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        from .app import DRAINING
+        from .lifecycle import DRAINING
 
         if self.api.state == DRAINING:
             # Second signal: stop waiting for the drain; a second SIGINT also drops open connections.
@@ -79,7 +79,7 @@ class RunningServer:
         return f"{self.scheme}://{host}:{self.port}"
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        from .app import READY
+        from .lifecycle import READY
 
         deadline = time.monotonic() + timeout
         while self.api.state != READY:

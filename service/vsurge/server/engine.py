@@ -1,0 +1,94 @@
+"""The served model and the small protocol the server needs from an engine (vSurge implements it)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from starlette.responses import Response
+
+from vsurge.request import ReturnSample, vSurgeRequest
+
+from .errors import APIError
+from .shaping import (
+    TokenDecoder,
+)
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class ServedEngine(Protocol):
+    """What the server needs from an engine (vSurge implements it): no reaching into drivers."""
+
+    @property
+    def processor(self) -> Any: ...
+
+    @property
+    def max_length(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def live(self) -> bool: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def count_tokens(self, text_or_conversation: str | list) -> int: ...
+
+    def complete(self, request: vSurgeRequest) -> AsyncIterator[list[ReturnSample]]: ...
+
+    def metrics(self) -> Any: ...
+
+    def compile(self, progress: Callable[[str], None] | None = None) -> float: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class ServedModel:
+    """One served model: the engine and what the routes need from it, looked up once."""
+
+    name: str
+    surge: ServedEngine
+    processor: Any
+    max_length: int
+    vocab_size: int | None
+    decode: TokenDecoder
+    created: int = field(default_factory=lambda: int(time.time()))
+    load_seconds: float | None = None
+
+
+def _vocab_size(surge: ServedEngine) -> int | None:
+    # The model's embedding rows bound valid ids; the tokenizer may know fewer (padded vocabularies).
+    size = getattr(surge, "vocab_size", None)
+    if size is not None:
+        return int(size)
+    processor = getattr(surge, "processor", None)
+    return len(processor) if processor is not None else None
+
+
+def _decode(entry: ServedModel, ids: list[int]) -> str:
+    return entry.processor.decode(ids) if entry.processor is not None else ""
+
+
+def _model_card(m: ServedModel) -> dict[str, Any]:
+    return {
+        "id": m.name,
+        "object": "model",
+        "created": m.created,
+        "owned_by": "vsurge",
+        "max_model_len": m.max_length,
+    }
+
+
+def _error_response(err: APIError) -> Response:
+    return Response(
+        err.body_bytes(), status_code=err.status, media_type="application/json", headers=err.headers
+    )
