@@ -135,6 +135,7 @@ class HubFixture:
         self.gets: list[str] = []
         self.truncate: dict[str, int] = {}  # path -> times left to cut the body short
         self.corrupt: set[str] = set()  # paths served with one byte flipped
+        self.delay: dict[str, float] = {}  # path -> seconds to wait before sending its bytes
         self._srv: ThreadingHTTPServer | None = None
 
     def add_repo(self, repo: str, directory: Path, extra: dict[str, bytes] | None = None) -> str:
@@ -253,8 +254,11 @@ class HubFixture:
                 self.end_headers()
                 if head:
                     return
-                if not head:
-                    hub.gets.append(fpath)
+                hub.gets.append(fpath)
+                if fpath in hub.delay:
+                    import time
+
+                    time.sleep(hub.delay[fpath])
                 left = hub.truncate.get(fpath, 0)
                 if left > 0:
                     hub.truncate[fpath] = left - 1

@@ -13,8 +13,8 @@ import pytest
 from sources_servers import upload_dir
 
 
-def _serve(model: str, tmp_path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "VSURGE_TERMINATION_LOG": str(tmp_path / "termination-log")}
+def _serve(model: str, tmp_path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "VSURGE_TERMINATION_LOG": str(tmp_path / "termination-log"), **(env or {})}
     return subprocess.Popen(
         [
             sys.executable,
@@ -84,4 +84,35 @@ def test_serve_a_model_from_s3(s3, sharded_ckpt, tmp_path):
             assert f'phase="{phase}"' in metrics, metrics
     finally:
         proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_probes_answer_while_the_model_downloads(hub, sharded_ckpt, tmp_path):
+    """The startup probe passes and liveness holds during a long download; readiness waits for the model."""
+    hub.add_repo("acme/slow", sharded_ckpt)
+    shard = sorted(p.name for p in sharded_ckpt.glob("model-*.safetensors"))[0]
+    hub.delay[shard] = 30.0
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = _serve(
+        "hf://acme/slow", tmp_path, "--host", "127.0.0.1", "--port", str(port), env={"HF_HUB_OFFLINE": "0"}
+    )
+    try:
+        lines = []
+        while not any("hf://acme/slow: downloading" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "the server exited:\n" + "".join(lines)
+            lines.append(line)
+        deadline = time.monotonic() + 20
+        while shard not in hub.gets and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shard in hub.gets  # the slow file is being fetched now
+        assert httpx.get(f"http://127.0.0.1:{port}/liveness", timeout=10).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{port}/readiness", timeout=10).status_code == 503
+        assert proc.poll() is None
+    finally:
+        proc.kill()
         proc.wait(timeout=60)
