@@ -13,6 +13,7 @@ row into a slot; oEngine only scores).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -21,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from ..models.attention import ChunkAttention
 from ..request import TokenLogprob
 from ..sampling_params import MAX_TOP_LOGPROBS
-from .sampling import _top_k
+from .sampling import _top_k, sharded_sampling
 
 Rows = tuple[tuple[jax.Array, jax.Array], ...]
 SMALL_CHUNK = 128
@@ -40,14 +42,17 @@ def _extend_impl(graphdef, params, rows: Rows, tokens, start):
     return tuple(tuple(r) for r in rows), hidden[0]
 
 
-def _logprobs_impl(graphdef, params, hidden, targets):
+def _logprobs_impl(graphdef, params, hidden, targets, *, sharded: bool):
     """Raw-model logprob of targets[t] after position t, and the top MAX_TOP_LOGPROBS, for one chunk."""
     model = nnx.merge(graphdef, params)
     logits = model.compute_logits(hidden).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     own_logit = jnp.take_along_axis(logits, targets[:, None], axis=1)[:, 0]
     rank = 1 + jnp.sum(logits > own_logit[:, None], axis=-1)  # vLLM's rank: 1 = the most likely
-    top_vals, top_ids = _top_k(logits, MAX_TOP_LOGPROBS)
+    # on a mesh the top-k must be traced without the sampler's optimization barrier (it crashes XLA's
+    # SPMD TopkDecomposer), as the sampler itself is
+    with sharded_sampling() if sharded else contextlib.nullcontext():
+        top_vals, top_ids = _top_k(logits, MAX_TOP_LOGPROBS)
     return own_logit - lse, rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_vals - lse[:, None]
 
 
@@ -79,7 +84,9 @@ class ChunkedPrefill:
             lambda: tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(layers))
         )
         self._extend = jax.jit(partial(_extend_impl, graphdef), donate_argnums=(1,))
-        self._logprobs = jax.jit(partial(_logprobs_impl, graphdef))
+        leaf = jax.tree_util.tree_leaves(params)[0]
+        sharded = isinstance(getattr(leaf, "sharding", None), NamedSharding)  # placed on a mesh
+        self._logprobs = jax.jit(partial(_logprobs_impl, graphdef, sharded=sharded))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
