@@ -38,47 +38,89 @@ class vSurgeMetadata:  # noqa: N801 - the seed's name
     attributes: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class vSurgeRequest:  # noqa: N801 - the seed's name
-    """A completion request. `prompt` is text, or token ids when is_client_side_tokenization is set."""
+# The seed's vSurgeRequest samples at temperature 0.7 unless told otherwise; SamplingParams (and so the HTTP
+# API) keeps OpenAI's 1.0. Only these differ.
+SEED_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.7}
+# The seed's positional order after `prompt`.
+_SEED_POSITIONAL = (
+    "max_tokens",
+    "top_p",
+    "top_k",
+    "min_p",
+    "temperature",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
-    prompt: str | list[int]
-    max_tokens: int
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    temperature: float = 0.7
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    metadata: vSurgeMetadata | None = None
-    is_client_side_tokenization: bool = False
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    seed: int | None = None
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int = 0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
-    # True: prompt + max_tokens beyond the context is an error (PromptTooLongError), not a silent cut
-    strict_max_tokens: bool = False
-    detokenize: bool | None = None  # None: detokenize unless is_client_side_tokenization
+
+class vSurgeRequest:  # noqa: N801 - the seed's name
+    """A completion request: the prompt, how to sample it (`sampling`, a SamplingParams) and metadata.
+
+    The seed's constructor keeps working — `vSurgeRequest(prompt, max_tokens, top_p, top_k, min_p,
+    temperature, ..., metadata=, is_client_side_tokenization=)` — and so does every SamplingParams field as
+    a keyword (`seed=`, `n=`, `stop=`, `logit_bias=` ...); they build `sampling`, with the seed's own
+    defaults (`SEED_SAMPLING_DEFAULTS`) where none is given. Sampling fields read through as attributes
+    (`request.temperature`). `prompt` is text, or token ids when is_client_side_tokenization is set.
+    """
+
+    def __init__(
+        self,
+        prompt: str | list[int],
+        *args: Any,
+        metadata: vSurgeMetadata | None = None,
+        is_client_side_tokenization: bool = False,
+        sampling: SamplingParams | None = None,
+        detokenize: bool | None = None,
+        strict_max_tokens: bool = False,
+        **sampling_kw: Any,
+    ) -> None:
+        if len(args) > len(_SEED_POSITIONAL) + 2:
+            raise TypeError(f"vSurgeRequest takes at most {len(_SEED_POSITIONAL) + 3} positional arguments")
+        given = dict(zip(_SEED_POSITIONAL, args, strict=False))
+        rest = args[len(_SEED_POSITIONAL) :]
+        if rest:
+            metadata = rest[0]
+        if len(rest) > 1:
+            is_client_side_tokenization = rest[1]
+        unknown = set(sampling_kw) - _SAMPLING_FIELDS
+        if unknown:
+            raise TypeError(f"vSurgeRequest got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        clash = set(given) & set(sampling_kw)
+        if clash:
+            raise TypeError(f"vSurgeRequest got multiple values for {', '.join(sorted(clash))}")
+        given.update(sampling_kw)
+        if sampling is None:
+            sampling = SamplingParams(**{**SEED_SAMPLING_DEFAULTS, **given})
+        elif given:
+            sampling = dataclasses.replace(sampling, **given)
+        self.prompt = prompt
+        self.sampling = sampling
+        self.metadata = metadata
+        self.is_client_side_tokenization = is_client_side_tokenization
+        self.detokenize = detokenize  # None: detokenize unless is_client_side_tokenization
+        # True: prompt + max_tokens beyond the context is an error (PromptTooLongError), not a silent cut
+        self.strict_max_tokens = strict_max_tokens
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names not set on the instance: the sampling fields read through
+        if name in _SAMPLING_FIELDS:
+            return getattr(self.__dict__["sampling"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return f"vSurgeRequest(prompt={self.prompt!r:.60}, sampling={self.sampling!r})"
 
     @classmethod
     def from_sampling_params(
-        cls, prompt: str | list[int], sampling_params: SamplingParams, **kw
+        cls, prompt: str | list[int], sampling_params: SamplingParams, **kw: Any
     ) -> vSurgeRequest:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in dataclasses.asdict(sampling_params).items() if k in fields}
-        return cls(prompt=prompt, **values, **kw)
+        return cls(prompt, sampling=sampling_params, **kw)
 
     def sampling_params(self) -> SamplingParams:
-        names = {f.name for f in dataclasses.fields(SamplingParams)}
-        return SamplingParams(**{k: getattr(self, k) for k in names})
+        """A copy of the request's sampling parameters (validated by vSurge on submit)."""
+        return dataclasses.replace(self.sampling)
 
 
 @dataclass

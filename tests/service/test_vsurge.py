@@ -166,12 +166,14 @@ def test_prompt_longer_than_every_bucket_is_served_exactly(surge, tiny):
 
 
 def test_failed_request_fails_alone(surge):
-    # A prompt the engine cannot prefill (past every bucket) reaching the driver directly: it fails with a
-    # clear reason while a concurrent request completes.
-    bad = ActiveRequest(list(range(3, 100)), SamplingParams(max_tokens=4, temperature=0.0), eos_token_ids=[])
+    # A prompt the engine cannot prefill (the whole context, no room for a token) reaching the driver
+    # directly: it fails with a clear reason while a concurrent request completes.
+    bad = ActiveRequest(
+        list(range(3, 3 + MAX_LEN)), SamplingParams(max_tokens=4, temperature=0.0), eos_token_ids=[]
+    )
     good = surge.submit(ids_request([4, 5, 6], 8))
     surge.driver.submit_request(bad)
-    with pytest.raises(RequestFailedError, match="prefill failed.*exceeds max_prefill_length"):
+    with pytest.raises(RequestFailedError, match="prefill failed.*leaves no room"):
         list(bad.channel)
     got = [t for items in good.channel for s in items for t in s.token_ids]
     assert len(got) == 8
