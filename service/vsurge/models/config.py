@@ -6,15 +6,10 @@ import dataclasses
 from typing import Any
 
 from .errors import CheckpointError
+from .registry import ModelTypes, architecture_for
 
-# model_type -> what differs from plain Llama
-_ARCHITECTURES = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-}
-SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
+# The registered model_types (models/registry.py; the built-ins: llama, mistral, qwen2, qwen3), live.
+SUPPORTED_ARCHITECTURES = ModelTypes()
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -54,12 +49,7 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Build from a config.json dict; `source` names the file in error messages."""
         model_type = cfg.get("model_type")
-        if model_type not in _ARCHITECTURES:
-            arch = cfg.get("architectures") or model_type
-            raise CheckpointError(
-                f"{source}: unsupported architecture {arch!r} (model_type={model_type!r}); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        family = architecture_for(model_type, source=source, architectures=cfg.get("architectures"))
         required = (
             "vocab_size",
             "hidden_size",
@@ -95,9 +85,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         window = cfg.get("sliding_window")
-        if model_type != "mistral" and not cfg.get("use_sliding_window", False):
+        if not family.sliding_window_always and not cfg.get("use_sliding_window", False):
             window = None  # Qwen configs carry a window they do not use unless use_sliding_window is set
-        extra = _ARCHITECTURES[model_type]
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -112,10 +101,10 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=extra.get("qkv_bias", False) or bool(cfg.get("attention_bias", False)),
-            o_bias=bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3"),
+            qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)) and family.o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=extra.get("qk_norm", False),
+            qk_norm=family.qk_norm,
             sliding_window=int(window) if window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from .registry import register_architecture
 from .rope import apply_rope, inverse_frequencies
+from .sharding import LLAMA_RULES
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jnp.ndarray:
@@ -147,3 +149,32 @@ class LlamaForCausalLM(nnx.Module):
             w = self.model.embed_tokens.embedding[...]
             return jnp.dot(hidden, w.T, preferred_element_type=jnp.float32)
         return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+
+
+# The family: one model class for four model_types, differing only in their configs.
+register_architecture("llama", LlamaForCausalLM, LLAMA_RULES, gguf_architecture="llama")
+register_architecture(
+    "mistral",  # llama.cpp stores Mistral as `llama`: gguf/config.py tells them apart by the model name
+    LlamaForCausalLM,
+    LLAMA_RULES,
+    hf_architecture="MistralForCausalLM",
+    o_bias=False,
+    sliding_window_always=True,
+)
+register_architecture(
+    "qwen2",
+    LlamaForCausalLM,
+    LLAMA_RULES,
+    hf_architecture="Qwen2ForCausalLM",
+    gguf_architecture="qwen2",
+    qkv_bias=True,
+    o_bias=False,
+)
+register_architecture(
+    "qwen3",
+    LlamaForCausalLM,
+    LLAMA_RULES,
+    hf_architecture="Qwen3ForCausalLM",
+    gguf_architecture="qwen3",
+    qk_norm=True,
+)

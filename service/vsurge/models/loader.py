@@ -21,9 +21,9 @@ from jax.sharding import Mesh
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .llama import LlamaForCausalLM
+from .registry import architecture_for
 from .safetensors_io import ShardedCheckpoint
-from .sharding import PARTITION_RULES, make_mesh, sharding_for
+from .sharding import make_mesh, sharding_for
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,14 @@ def build_model(
     mesh: Mesh | None = None,
     source: str = "checkpoint",
     file_of: Callable[[str], str] | None = None,
-) -> LlamaForCausalLM:
-    """Place HF-named tensors into a new model; `source` / `file_of` name the file in errors."""
+) -> nnx.Module:
+    """Place HF-named tensors into a new model of the registered family of `cfg.model_type` (its class and
+    partition rules, models/registry.py); `source` / `file_of` name the file in errors."""
+    family = architecture_for(cfg.model_type, source=source)
     dtype = resolve_dtype(dtype)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: family.model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    rules = PARTITION_RULES[cfg.model_type]
+    rules = family.partition_rules
     for path, var in nnx.to_flat_state(state):
         name, transposed = hf_name(path)
         where = file_of(name) if file_of and name in tensors else source

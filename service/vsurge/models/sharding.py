@@ -10,6 +10,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .registry import PartitionRules, architecture_for
+
 AXES = ("dp", "tp")
 
 # Matched against the parameter path joined with "/", e.g. "model/layers/3/self_attn/q_proj/kernel".
@@ -25,7 +27,8 @@ LLAMA_RULES: tuple[tuple[str, P], ...] = (
     (r"lm_head/kernel$", P(None, "tp")),
     (r".*", P()),
 )
-PARTITION_RULES = {arch: LLAMA_RULES for arch in ("llama", "mistral", "qwen2", "qwen3")}
+# model_type -> rules, as registered (models/registry.py; the Llama family registers LLAMA_RULES).
+PARTITION_RULES = PartitionRules()
 
 # Dense KV cache [slots, length, kv_heads, head_dim] and pages [pages, page_size, kv_heads, head_dim].
 KV_CACHE_SPEC = P("dp", None, "tp", None)
@@ -93,7 +96,7 @@ def place_params(state, cfg, mesh: Mesh):
     """Move an nnx parameter State onto `mesh` by the architecture's rules (for engines on their own devices)."""
     from flax import nnx
 
-    rules = PARTITION_RULES[cfg.model_type]
+    rules = architecture_for(cfg.model_type).partition_rules
     for path, var in nnx.to_flat_state(state):
         value = var.get_value()
         var.set_value(jax.device_put(value, sharding_for("/".join(map(str, path)), value.shape, mesh, rules)))
