@@ -11,6 +11,7 @@ _LAZY = {
     "vSurge": "vsurge.surge",
     "vSurgeRequest": "vsurge.surge",
     "SamplingParams": "vsurge.sampling_params",
+    "EngineConfig": "vsurge.engine_config",
 }
 
 

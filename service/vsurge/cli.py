@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vsurge.env_options import add_env_arguments, flag_or_env_values
+from vsurge.engine_config import EngineConfig, env_name, flag_name, serve_fields
+from vsurge.env_options import (
+    add_env_arguments,
+    flag_or_env_values,
+    parse_choice,
+    parse_float,
+    parse_int,
+)
 
 DEFAULT_PORT = 11556
 
@@ -30,18 +37,9 @@ DEFAULT_PORT = 11556
 # ---------------------------------------------------------------------------------------- value types
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ValueError(f"expected an integer, got {text!r}") from None
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text.strip())
-    except ValueError:
-        raise ValueError(f"expected a number, got {text!r}") from None
+_int = parse_int
+_float = parse_float
+_choice = parse_choice
 
 
 def _positive_int(text: str) -> int:
@@ -65,13 +63,6 @@ def _metrics_port(text: str) -> int:
     return v
 
 
-def _fraction(text: str) -> float:
-    v = _float(text)
-    if not 0.0 < v <= 1.0:
-        raise ValueError(f"must be in (0, 1], got {v}")
-    return v
-
-
 def _positive_float(text: str) -> float:
     v = _float(text)
     if not v > 0:
@@ -79,27 +70,11 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _int_list(text: str) -> list[int]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise ValueError("expected comma-separated integers, e.g. 128,256,512")
-    out = [_positive_int(p) for p in parts]
-    return sorted(set(out))
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
-        return text
-
-    parse.__name__ = "choice"
-    return parse
-
-
 @dataclass(frozen=True)
 class Option:
-    """One `serve` option: its flag, its environment variable, how to parse it, its default."""
+    """One `serve` option: its flag, its environment variable, how to parse it, its default.
+
+    ``shown``: the default as `--help` prints it, where ``default`` is None ("decided later")."""
 
     flag: str
     env: str
@@ -107,11 +82,29 @@ class Option:
     default: Any
     help: str
     metavar: str | None = None
+    shown: str | None = None
 
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
 
+
+def _engine_option(f: Any) -> Option:
+    """The `serve` option of an EngineConfig field: flag, variable, parser and help all come from it."""
+    meta = f.metadata
+    text, check = meta["text"], meta["check"]
+
+    def parse(value: str) -> Any:
+        parsed = text(value)
+        return parsed if check is None else check(parsed)
+
+    parse.__name__ = f.name
+    return Option(flag_name(f), env_name(f), parse, f.default, meta["help"], meta["metavar"], meta["shown"])
+
+
+# Engine knobs are declared once, in EngineConfig (fields with serve=True); the rest are the server's own.
+ENGINE_OPTIONS: tuple[Option, ...] = tuple(_engine_option(f) for f in serve_fields())
+ENGINE_FIELDS = frozenset(o.dest for o in ENGINE_OPTIONS)
 
 SERVE_OPTIONS: tuple[Option, ...] = (
     Option(
@@ -119,7 +112,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "VSURGE_MODEL",
         str,
         "default",
-        "HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)",
+        "HF model directory, .gguf file, 'default' (SmolLM2-135M-Instruct), or hf://, gs://, s3://, pvc://",
         "PATH",
     ),
     Option(
@@ -130,62 +123,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "name clients send as `model` (default: from the model path)",
         "NAME",
     ),
-    Option(
-        "--driver",
-        "VSURGE_DRIVER",
-        _choice("vdriver", "odriver"),
-        "vdriver",
-        "vdriver (one KV row per slot) or odriver (paged KV cache)",
-    ),
-    Option(
-        "--max-concurrent-decodes",
-        "VSURGE_MAX_CONCURRENT_DECODES",
-        _positive_int,
-        None,
-        "decode slots (concurrent sequences)",
-        "N",
-    ),
-    Option(
-        "--max-concurrent-prefill",
-        "VSURGE_MAX_CONCURRENT_PREFILL",
-        _positive_int,
-        None,
-        "prompts one prefill call may pack together (vdriver)",
-        "N",
-    ),
-    Option(
-        "--max-length",
-        "VSURGE_MAX_LENGTH",
-        _positive_int,
-        None,
-        "context length: prompt + generated tokens",
-        "N",
-    ),
-    Option(
-        "--prefill-lengths",
-        "VSURGE_PREFILL_LENGTHS",
-        _int_list,
-        None,
-        "prefill buckets, comma-separated (e.g. 128,256,512)",
-        "N,N,...",
-    ),
-    Option("--page-size", "VSURGE_PAGE_SIZE", _positive_int, 128, "tokens per KV page (odriver)", "N"),
-    Option(
-        "--hbm-utilization",
-        "VSURGE_HBM_UTILIZATION",
-        _fraction,
-        0.6,
-        "fraction of free device memory for KV pages (odriver)",
-        "F",
-    ),
-    Option(
-        "--mesh",
-        "VSURGE_MESH",
-        str,
-        None,
-        "device mesh, e.g. 'tp=4' or 'dp=2,tp=4' (default: one device)",
-        "SPEC",
-    ),
+    *ENGINE_OPTIONS,
     Option(
         "--dtype",
         "VSURGE_DTYPE",
@@ -193,7 +131,6 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         None,
         "parameter dtype (default: float32 on CPU, bfloat16 elsewhere)",
     ),
-    Option("--seed", "VSURGE_SEED", _int, 894, "sampling seed for requests without one", "N"),
     Option("--host", "VSURGE_HOST", str, "0.0.0.0", "address to bind", "HOST"),
     Option("--port", "VSURGE_PORT", _port, DEFAULT_PORT, "HTTP port", "PORT"),
     Option(
@@ -242,18 +179,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
 
 @dataclass
 class ServeConfig:
+    """`vsurge serve`'s configuration: the server's own options, and the engine's as an EngineConfig.
+
+    The engine knobs also read as attributes (``cfg.page_size``, ``cfg.driver``), as they always did."""
+
     model: str = "default"
     served_model_name: str | None = None
-    driver: str = "vdriver"
-    max_concurrent_decodes: int | None = None
-    max_concurrent_prefill: int | None = None
-    max_length: int | None = None
-    prefill_lengths: list[int] | None = None
-    page_size: int = 128
-    hbm_utilization: float = 0.6
-    mesh: str | None = None
     dtype: str | None = None
-    seed: int = 894
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     metrics_port: int | None = None
@@ -263,7 +195,14 @@ class ServeConfig:
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
     drain_timeout: float = 300.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ENGINE_FIELDS:  # only reached for names that are not the server's own fields
+            value = getattr(self.engine, name)
+            return list(value) if isinstance(value, tuple) else value  # prefill_lengths reads as a list
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def model_name(self) -> str:
@@ -289,13 +228,23 @@ def _default(opt: Option) -> Any:
     return opt.default
 
 
+def _shown_default(opt: Option) -> Any:
+    return opt.default if opt.shown is None else opt.shown
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    add_env_arguments(parser, SERVE_OPTIONS, _default)
+    add_env_arguments(parser, SERVE_OPTIONS, _shown_default)
 
 
 def config_from_namespace(ns: argparse.Namespace, env: Mapping[str, str]) -> ServeConfig:
     """Flags over environment over defaults; an invalid env value raises ConfigError naming the variable."""
-    cfg = ServeConfig(**flag_or_env_values(ns, env, SERVE_OPTIONS, _default, ConfigError))
+    values = flag_or_env_values(ns, env, SERVE_OPTIONS, _default, ConfigError)
+    knobs = {name: values.pop(name) for name in ENGINE_FIELDS}
+    try:
+        engine = EngineConfig(**knobs)
+    except ValueError as e:  # each value was checked as it was parsed; this is a combination of them
+        raise ConfigError(str(e)) from None
+    cfg = ServeConfig(**values, engine=engine)
     if bool(cfg.ssl_keyfile) != bool(cfg.ssl_certfile):
         raise ConfigError(
             "TLS needs both --ssl-keyfile and --ssl-certfile (VSURGE_SSL_KEYFILE / VSURGE_SSL_CERTFILE)"
@@ -319,26 +268,10 @@ def parse_serve_config(argv: Sequence[str], env: Mapping[str, str] | None = None
 
 
 def build_surge(cfg: ServeConfig, model: Any, processor: Any, mesh: Any = None) -> Any:
-    """The vSurge for `cfg.driver` with the engine options of `cfg`."""
+    """The vSurge for `cfg.driver` with the engine options of `cfg` (the mesh given, as the model's)."""
     from vsurge.surge import vSurge
 
-    common = dict(
-        max_concurrent_decodes=cfg.max_concurrent_decodes,
-        prefill_lengths=cfg.prefill_lengths,
-        max_length=cfg.max_length,
-        seed=cfg.seed,
-        vsurge_name=cfg.model_name,
-        mesh=mesh,
-    )
-    if cfg.driver == "odriver":
-        if not hasattr(vSurge, "create_odriver"):
-            raise ConfigError("--driver odriver is not available in this build; use vdriver")
-        return vSurge.create_odriver(
-            model, processor, page_size=cfg.page_size, hbm_utilization=cfg.hbm_utilization, **common
-        )
-    return vSurge.create_vdriver(
-        model, processor, max_concurrent_prefill=cfg.max_concurrent_prefill, **common
-    )
+    return vSurge.create(model, processor, cfg.engine.replace(mesh=mesh), vsurge_name=cfg.model_name)
 
 
 def _enable_compilation_cache() -> None:

@@ -33,6 +33,42 @@ class EnvOption(Protocol):
 Opt = TypeVar("Opt", bound=EnvOption)
 
 
+# ---------------------------------------------------------------------------------------- text parsers
+# Text -> value; ValueError with the reason (range checks live with the option: EngineConfig's fields).
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+def parse_float(text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
+def parse_int_list(text: str) -> list[int]:
+    """``"512, 128,256"`` -> ``[512, 128, 256]``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("expected comma-separated integers, e.g. 128,256,512")
+    return [parse_int(p) for p in parts]
+
+
+def parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    parse.__name__ = "choice"
+    return parse
+
+
 def _cli_type(opt: EnvOption) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:

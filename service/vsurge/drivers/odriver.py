@@ -31,7 +31,7 @@ from ..engines.page_scheduler import Chunk, PageScheduler, Seq
 from ..engines.paging import page_hashes
 from .active_request import ActiveRequest
 from .metrics import DriverMetrics
-from .vdriver import _STOP, vDriver
+from .vdriver import _DEFAULTS, _STOP, vDriver
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,12 @@ log = logging.getLogger(__name__)
 class oDriver(vDriver):  # noqa: N801 - the seed's name
     """vDriver's request lifecycle (submit, cancel, fail alone, graceful stop, metrics) over an oEngine."""
 
-    def __init__(self, engine: oEngine, detokenizing_blocks: int = 8, max_queue_size: int = 1024):
+    def __init__(
+        self,
+        engine: oEngine,
+        detokenizing_blocks: int = _DEFAULTS.detokenizing_blocks,
+        max_queue_size: int = _DEFAULTS.max_queue_size,
+    ):
         super().__init__(
             engine, engine, detokenizing_blocks=detokenizing_blocks, max_queue_size=max_queue_size
         )

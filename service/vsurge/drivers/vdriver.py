@@ -27,12 +27,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..engine_config import EngineConfig
 from ..engines.vengine import vEngine
 from ..request import QueueFullError
 from .active_request import ActiveRequest
 from .metrics import DriverMetrics, MetricsRecorder
 
 log = logging.getLogger(__name__)
+_DEFAULTS = EngineConfig()  # the driver knobs' defaults live in EngineConfig
 _STOP = None
 
 
@@ -65,10 +67,10 @@ class vDriver:  # noqa: N801 - the seed's name
         self,
         prefill_engines: list[vEngine] | vEngine | None = None,
         decode_engines: list[vEngine] | vEngine | None = None,
-        interleaved_mode: bool = False,
-        detokenizing_blocks: int = 8,
-        max_queue_size: int = 1024,
-        max_decode_stall: float = 0.25,
+        interleaved_mode: bool = _DEFAULTS.interleaved_mode,
+        detokenizing_blocks: int = _DEFAULTS.detokenizing_blocks,
+        max_queue_size: int = _DEFAULTS.max_queue_size,
+        max_decode_stall: float = _DEFAULTS.max_decode_stall,
     ):
         self._prefill_engines = _as_list(prefill_engines)
         self._decode_engines = _as_list(decode_engines) or list(self._prefill_engines)

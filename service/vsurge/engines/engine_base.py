@@ -11,9 +11,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
 from ..models.sharding import place_params
 from .chunked_prefill import ChunkedPrefill
 from .sampling import SlotSampling, sample, sharded_sampling
@@ -28,7 +29,7 @@ def plan_lengths(
     default_max_prefill: int,
 ) -> tuple[int, int, list[int]]:
     """(max_length, max_prefill_length, prefill buckets) from the engine arguments."""
-    max_len = int(max_length or min(cfg.max_position_embeddings, 2048))
+    max_len = int(max_length or min(cfg.max_position_embeddings, MAX_LENGTH_CAP))
     lengths = sorted(set(int(x) for x in prefill_lengths)) if prefill_lengths else None
     max_prefill = int(max_prefill_length or (lengths[-1] if lengths else min(default_max_prefill, max_len)))
     if max_prefill > max_len:
@@ -92,30 +93,31 @@ def sample_step(state: Any, logits: jax.Array, *, rows: int, num_top: int, shard
 class EngineBase:
     """Model, parameters (placed on the mesh), limits, and the seed API's tokenizer-facing properties."""
 
-    def _setup(
-        self,
-        model: Any,
-        processor: Any,
-        mesh: Mesh | None,
-        max_concurrent_decodes: int | None,
-        max_concurrent_prefill: int,
-        lengths: tuple[int, int, list[int]],
-        batch_size: int | None,
-        seed: int,
-        num_top_logprobs: int,
-        smallest_rows: int = 4,
-    ) -> None:
+    def _setup(self, model: Any, processor: Any, config: EngineConfig, *, smallest_rows: int = 4) -> None:
+        """Model, parameters and limits from ``config`` (its driver's defaults fill the knobs left None)."""
+        mesh = config.mesh
+        if isinstance(mesh, str):
+            from ..models.sharding import make_mesh
+
+            mesh = make_mesh(mesh)
+        self.engine_config = config.replace(mesh=mesh)
         self.model = model
         self.config = model.config
         self._processor = processor
         self.mesh = mesh
-        self.max_concurrent_decodes = int(max_concurrent_decodes or 16)
-        self.max_concurrent_prefill = int(max_concurrent_prefill)
-        self.max_length, self.max_prefill_length, self.prefill_lengths = lengths
-        self.batch_size = batch_size
+        self.max_concurrent_decodes = config.max_concurrent_decodes
+        self.max_concurrent_prefill = config.resolved("max_concurrent_prefill")
+        self.max_length, self.max_prefill_length, self.prefill_lengths = plan_lengths(
+            model.config,
+            config.max_length,
+            config.prefill_lengths,
+            config.max_prefill_length,
+            default_max_prefill=driver_default("max_prefill_length", config.driver),
+        )
+        self.batch_size = config.batch_size
         self.samples_per_slot = 1
-        self.num_top_logprobs = num_top_logprobs
-        self.prng_key = jax.random.PRNGKey(seed)
+        self.num_top_logprobs = config.num_top_logprobs
+        self.prng_key = jax.random.PRNGKey(config.seed)
         self.graphdef, params = nnx.split(model)
         self.params = place_params(params, self.config, mesh) if mesh is not None else params
         self.decode_rows = row_buckets(self.max_concurrent_decodes, smallest_rows)

@@ -27,12 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..engine_config import EngineConfig
 from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
-from ..sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from .engine_base import EngineBase, constrain, decode_buckets, plan_lengths, sampling_context
+from ..sampling_params import SamplingParams
+from .engine_base import EngineBase, constrain, decode_buckets, sampling_context
 from .paging import HBMPageManager, PagedAttentionCache
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
@@ -134,50 +135,34 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         self,
         model: Any,
         processor: Any,
+        config: EngineConfig | None = None,
+        *,
         storage: PagedAttentionCache | None = None,
         manager: HBMPageManager | None = None,
-        max_concurrent_decodes: int | None = None,
-        max_concurrent_prefill: int | None = None,
-        prefill_lengths: Sequence[int] | None = None,
-        max_prefill_length: int | None = None,
-        max_length: int | None = None,
-        batch_size: int | None = None,
-        seed: int = 894,
-        *,
-        mesh: Mesh | None = None,
-        page_size: int = 128,
-        hbm_utilization: float = 0.6,
-        kv_cache_bytes: int | None = None,
-        min_decode_tokens: int = 128,
-        num_top_logprobs: int = MAX_TOP_LOGPROBS,
-        enable_prefix_caching: bool = True,
+        **kw: Any,
     ):
+        """``config`` (an EngineConfig; default: every default) with the keyword arguments applied;
+        ``storage`` / ``manager``: a cache and page manager to use instead of new ones."""
+        config = EngineConfig.build(config, **kw).replace(driver="odriver")
         cfg = model.config
         # the largest bucket is the largest chunk; longer prompts are prefilled in several chunks
-        lengths = plan_lengths(cfg, max_length, prefill_lengths, max_prefill_length, default_max_prefill=512)
-        self._setup(
-            model,
-            processor,
-            mesh,
-            max_concurrent_decodes,
-            max_concurrent_prefill or 1,
-            lengths,
-            batch_size,
-            seed,
-            num_top_logprobs,
-        )
+        self._setup(model, processor, config)
+        mesh, page_size, min_decode_tokens = self.mesh, config.page_size, config.min_decode_tokens
+        num_top_logprobs = self.num_top_logprobs
         if storage is None:
             storage = PagedAttentionCache.create(
                 cfg,
                 page_size,
-                hbm_utilization,
-                kv_cache_bytes,
+                config.hbm_utilization,
+                config.kv_cache_bytes,
                 dtype=model.dtype,
                 mesh=mesh,
                 device=None if mesh is not None else self._device(),
             )
         self.storage = storage
-        self.manager = manager or HBMPageManager.for_cache(storage, prefix_caching=enable_prefix_caching)
+        self.manager = manager or HBMPageManager.for_cache(
+            storage, prefix_caching=config.enable_prefix_caching
+        )
         if self.manager.page_size != storage.page_size or self.manager.num_pages > storage.num_pages:
             raise ValueError("the page manager does not match the cache (page size or page count)")
         self.page_size = storage.page_size

@@ -22,14 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..engine_config import EngineConfig
 from ..models.attention import DenseDecodeAttention, PrefillAttention
 from ..models.sharding import kv_cache_sharding
-from ..sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from ..sampling_params import SamplingParams
 from .chunked_prefill import ChunkedPrefill
-from .engine_base import EngineBase, constrain, plan_lengths, sample_step
+from .engine_base import EngineBase, constrain, sample_step
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
     SampleResult,
@@ -162,37 +163,13 @@ def _decode_impl(
 class vEngine(EngineBase):  # noqa: N801 - the seed's name
     """Dense-cache engine: prefill, insert into a slot, decode all slots, free a slot."""
 
-    def __init__(
-        self,
-        model: Any,
-        processor: Any,
-        max_concurrent_decodes: int | None = None,
-        max_concurrent_prefill: int | None = None,
-        prefill_lengths: Sequence[int] | None = None,
-        max_prefill_length: int | None = None,
-        max_length: int | None = None,
-        batch_size: int | None = None,
-        prefill_pack_tokens: int | None = None,
-        seed: int = 894,
-        mesh: Mesh | None = None,
-        num_top_logprobs: int = MAX_TOP_LOGPROBS,
-    ):
-        lengths = plan_lengths(
-            model.config, max_length, prefill_lengths, max_prefill_length, default_max_prefill=1024
-        )
-        # how many waiting prompts one prefill call packs together (within prefill_pack_tokens)
-        self._setup(
-            model,
-            processor,
-            mesh,
-            max_concurrent_decodes,
-            max_concurrent_prefill or 16,
-            lengths,
-            batch_size,
-            seed,
-            num_top_logprobs,
-            smallest_rows=1,  # one live row: XLA:CPU's matrix-vector path is ~25% faster than 4 rows
-        )
+    def __init__(self, model: Any, processor: Any, config: EngineConfig | None = None, **kw: Any):
+        """``config`` (an EngineConfig; default: every default) with the keyword arguments applied
+        (``vEngine(model, tok, max_concurrent_decodes=4, max_length=300)``)."""
+        config = EngineConfig.build(config, **kw).replace(driver="vdriver")
+        # smallest_rows=1: one live row: XLA:CPU's matrix-vector path is ~25% faster than 4 rows
+        self._setup(model, processor, config, smallest_rows=1)
+        num_top_logprobs = self.num_top_logprobs
         self._state_shardings = self._make_state_shardings()
         self._pos = np.zeros(self.max_concurrent_decodes, np.int64)  # host mirror, picks the decode bucket
         self._active = np.zeros(self.max_concurrent_decodes, bool)
@@ -205,7 +182,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self._insert = jax.jit(partial(_insert_impl, shardings=self._state_shardings), donate_argnums=(1,))
         # packs stay small: on XLA:CPU prefill costs least per token at 128-256 tokens, and a small pack
         # reaches the decode batch sooner (measured: 128 beats 64 and 512 by 3-8% at 32 concurrent)
-        self.prefill_pack_tokens = min(int(prefill_pack_tokens or 128), self.max_prefill_length)
+        self.prefill_pack_tokens = min(config.prefill_pack_tokens, self.max_prefill_length)
         self._decode = {
             rows: jax.jit(
                 partial(

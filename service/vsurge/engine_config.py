@@ -1,0 +1,316 @@
+"""EngineConfig: every engine and driver knob, its default and its validation, in one place.
+
+    from vsurge import EngineConfig
+    cfg = EngineConfig(driver="odriver", max_concurrent_decodes=32, max_length=4096, page_size=64)
+    surge = vSurge.create(model, tokenizer, cfg)                   # cfg.driver picks vdriver / odriver
+    surge = vSurge.create_odriver(model, tokenizer, cfg, seed=7)   # keywords override the config
+
+`vsurge serve` derives its engine options from the fields marked ``serve=True``: the flag is the field
+name with dashes (``--max-concurrent-decodes``), the variable ``VSURGE_`` + the name in capitals
+(``VSURGE_MAX_CONCURRENT_DECODES``); the help text and the text parser come from the field's metadata.
+Adding a knob: one ``knob(...)`` field here (``serve=True`` to make it a serve option), then read
+``config.<name>`` where it acts.
+
+``None`` given for a field whose default is not ``None`` means that default (``seed=None`` -> 894), so
+callers may pass "unset" through. ``None`` where the default is ``None`` means "decided by the engine" (see
+the help of each). This module imports no jax: the command line reads it for ``vsurge --help``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .env_options import parse_choice, parse_float, parse_int, parse_int_list
+from .sampling_params import MAX_TOP_LOGPROBS
+
+__all__ = [
+    "DEFAULT_SEED",
+    "DRIVERS",
+    "MAX_LENGTH_CAP",
+    "EngineConfig",
+    "driver_default",
+    "env_name",
+    "flag_name",
+    "serve_fields",
+]
+
+DEFAULT_SEED = 894  # the seed's engine seed, for requests without a seed of their own
+DRIVERS = ("vdriver", "odriver")
+MAX_LENGTH_CAP = 2048  # max_length=None: the model's context, at most this
+
+# Defaults that differ by driver, for fields left at None (the engine fills them in).
+_PER_DRIVER: dict[str, dict[str, int]] = {
+    "vdriver": {"max_concurrent_prefill": 16, "max_prefill_length": 1024},
+    # odriver prefills one sequence's chunk per call; a longer prompt takes several chunks
+    "odriver": {"max_concurrent_prefill": 1, "max_prefill_length": 512},
+}
+
+
+def driver_default(name: str, driver: str) -> int:
+    """The default of knob ``name`` (left at None) on ``driver``."""
+    return _PER_DRIVER[driver][name]
+
+
+# ------------------------------------------------------------------------------------ value checks
+# Each takes a value (of the field's type, given or parsed from text) and returns it normalized, or raises
+# ValueError with the reason: the command line and EngineConfig say the same.
+
+
+def _integer(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"expected an integer, got {v!r}")
+    return int(v)
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"expected a number, got {v!r}")
+    return float(v)
+
+
+def at_least(low: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        v = _integer(v)
+        if v < low:
+            raise ValueError(f"must be >= {low}, got {v}")
+        return v
+
+    return check
+
+
+def _fraction(v: Any) -> float:
+    v = _number(v)
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"must be in (0, 1], got {v}")
+    return v
+
+
+def _non_negative(v: Any) -> float:
+    v = _number(v)
+    if v < 0:
+        raise ValueError(f"must be >= 0, got {v}")
+    return v
+
+
+def _lengths(v: Any) -> tuple[int, ...]:
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise ValueError(f"expected a list of integers, got {v!r}")
+    out = tuple(sorted({at_least(1)(x) for x in v}))
+    if not out:
+        raise ValueError("expected at least one length")
+    return out
+
+
+def _one_of(*choices: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {v!r}")
+        return v
+
+    return check
+
+
+def _mesh(v: Any) -> Any:
+    if isinstance(v, str) and not v.strip():
+        raise ValueError("expected a mesh spec such as 'tp=4' or 'dp=2,tp=4'")
+    return v  # a spec string (the engine makes the Mesh) or a jax Mesh
+
+
+# ------------------------------------------------------------------------------------ fields
+
+
+def knob(
+    default: Any,
+    help: str,  # noqa: A002 - argparse's word
+    *,
+    check: Callable[[Any], Any] | None = None,
+    serve: bool = False,
+    text: Callable[[str], Any] | None = None,
+    metavar: str | None = None,
+    shown: str | None = None,
+) -> Any:
+    """A field of EngineConfig. ``check`` validates (and normalizes) a value; ``serve=True`` makes it a
+    ``vsurge serve`` option, parsed from text by ``text`` and then checked; ``shown``: the default as the
+    help prints it where the field's default is None."""
+    meta = {"help": help, "check": check, "serve": serve, "text": text, "metavar": metavar, "shown": shown}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine and its driver are built. Frozen: derive variants with ``replace(**changes)``."""
+
+    driver: str = knob(
+        "vdriver",
+        "vdriver (one KV row per slot) or odriver (paged KV cache)",
+        check=_one_of(*DRIVERS),
+        serve=True,
+        text=parse_choice(*DRIVERS),
+    )
+    max_concurrent_decodes: int = knob(
+        16,
+        "decode slots (concurrent sequences)",
+        check=at_least(1),
+        serve=True,
+        text=parse_int,
+        metavar="N",
+    )
+    max_concurrent_prefill: int | None = knob(
+        None,
+        "prompts one prefill call may pack together (vdriver)",
+        check=at_least(1),
+        serve=True,
+        text=parse_int,
+        metavar="N",
+        shown="16 on vdriver, 1 on odriver",
+    )
+    max_length: int | None = knob(
+        None,
+        "context length: prompt + generated tokens",
+        check=at_least(1),
+        serve=True,
+        text=parse_int,
+        metavar="N",
+        shown=f"the model's context, at most {MAX_LENGTH_CAP}",
+    )
+    prefill_lengths: tuple[int, ...] | None = knob(
+        None,
+        "prefill buckets, comma-separated (e.g. 128,256,512)",
+        check=_lengths,
+        serve=True,
+        text=parse_int_list,
+        metavar="N,N,...",
+        shown="powers of two from 32",
+    )
+    max_prefill_length: int | None = knob(
+        None,
+        "largest prefill bucket (default: the largest prefill length, else 1024 on vdriver, 512 on "
+        "odriver); longer prompts are prefilled in chunks",
+        check=at_least(1),
+    )
+    prefill_pack_tokens: int = knob(
+        128,
+        "vdriver: prompt tokens one prefill call packs (a longer prompt goes alone)",
+        check=at_least(1),
+    )
+    batch_size: int | None = knob(None, "the seed's batch size (kept; the engines do not use it)")
+    seed: int = knob(
+        DEFAULT_SEED,
+        "sampling seed for requests without one",
+        check=_integer,
+        serve=True,
+        text=parse_int,
+        metavar="N",
+    )
+    mesh: Any = knob(
+        None,
+        "device mesh, e.g. 'tp=4' or 'dp=2,tp=4' (in Python, also a jax Mesh)",
+        check=_mesh,
+        serve=True,
+        text=str,
+        metavar="SPEC",
+        shown="one device",
+    )
+    num_top_logprobs: int = knob(
+        MAX_TOP_LOGPROBS,
+        "top logprobs the sampler computes per step (requests ask for up to this many)",
+        check=at_least(0),
+    )
+    page_size: int = knob(
+        128,
+        "tokens per KV page (odriver)",
+        check=at_least(1),
+        serve=True,
+        text=parse_int,
+        metavar="N",
+    )
+    hbm_utilization: float = knob(
+        0.6,
+        "fraction of free device memory for KV pages (odriver)",
+        check=_fraction,
+        serve=True,
+        text=parse_float,
+        metavar="F",
+    )
+    kv_cache_bytes: int | None = knob(
+        None,
+        "odriver: the KV pages' size in bytes, exactly (wins over hbm_utilization)",
+        check=at_least(1),
+    )
+    min_decode_tokens: int = knob(
+        128, "odriver: the smallest cache length a decode step reads", check=at_least(1)
+    )
+    enable_prefix_caching: bool = knob(True, "odriver: share the KV pages of common prompt prefixes")
+    max_queue_size: int = knob(
+        1024, "requests waiting for prefill before QueueFullError (0: no limit)", check=at_least(0)
+    )
+    interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
+    max_decode_stall: float = knob(
+        0.25,
+        "vdriver: seconds decode may wait for prompts being prefilled into free slots (0: never)",
+        check=_non_negative,
+    )
+    detokenizing_blocks: int = knob(8, "tokens per detokenize batch", check=at_least(1))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                if f.default is not None:  # None given: the default
+                    object.__setattr__(self, f.name, f.default)
+                continue
+            check = f.metadata.get("check")
+            if check is not None:
+                try:
+                    object.__setattr__(self, f.name, check(value))
+                except ValueError as e:
+                    raise ValueError(f"{f.name}: {e}") from None
+        mpl, ml = self.max_prefill_length, self.max_length
+        if mpl is not None and ml is not None and mpl > ml:
+            raise ValueError(f"max_prefill_length {mpl} exceeds max_length {ml}")
+
+    # ------------------------------------------------------------------ building
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` applied (and validated); an unknown name is a TypeError naming it."""
+        unknown = sorted(set(changes) - _NAMES)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @classmethod
+    def build(cls, config: EngineConfig | None = None, **changes: Any) -> EngineConfig:
+        """``config`` (default: every default) with the keyword arguments applied: what create_vdriver,
+        create_odriver and the engines do with their ``(config, **kw)``."""
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(
+                f"expected an EngineConfig, got {type(config).__name__}: pass engine options by keyword "
+                "(max_concurrent_decodes=..., ...) or as EngineConfig(...)"
+            )
+        return (config or cls()).replace(**changes)
+
+    def resolved(self, name: str) -> int:
+        """Knob ``name``, or this driver's default for it where it is None."""
+        value = getattr(self, name)
+        return driver_default(name, self.driver) if value is None else value
+
+
+_NAMES = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def serve_fields() -> tuple[dataclasses.Field, ...]:
+    """The fields `vsurge serve` reads from a flag or a VSURGE_* variable, in declaration order."""
+    return tuple(f for f in dataclasses.fields(EngineConfig) if f.metadata.get("serve"))
+
+
+def flag_name(f: dataclasses.Field | str) -> str:
+    """``max_length`` -> ``--max-length``."""
+    return "--" + (f if isinstance(f, str) else f.name).replace("_", "-")
+
+
+def env_name(f: dataclasses.Field | str) -> str:
+    """``max_length`` -> ``VSURGE_MAX_LENGTH``."""
+    return "VSURGE_" + (f if isinstance(f, str) else f.name).upper()

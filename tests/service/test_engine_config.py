@@ -1,0 +1,283 @@
+"""EngineConfig: one home for the engine knobs; `vsurge serve` derives its engine options from it; what the
+operator puts on a pod is what `vsurge serve` and `load_model` accept."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import vsurge
+from vsurge.cli import SERVE_OPTIONS, ConfigError, parse_serve_config
+from vsurge.engine_config import DEFAULT_SEED, EngineConfig, env_name, flag_name, serve_fields
+
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "helm" / "vsurge" / "crds" / "inferencemodels.vsurge.io.yaml"
+
+# Contracts with the operator, the chart and users' scripts: these names never change.
+ENGINE_FLAGS = {
+    "--driver": "VSURGE_DRIVER",
+    "--max-concurrent-decodes": "VSURGE_MAX_CONCURRENT_DECODES",
+    "--max-concurrent-prefill": "VSURGE_MAX_CONCURRENT_PREFILL",
+    "--max-length": "VSURGE_MAX_LENGTH",
+    "--prefill-lengths": "VSURGE_PREFILL_LENGTHS",
+    "--page-size": "VSURGE_PAGE_SIZE",
+    "--hbm-utilization": "VSURGE_HBM_UTILIZATION",
+    "--mesh": "VSURGE_MESH",
+    "--seed": "VSURGE_SEED",
+}
+
+
+# ---------------------------------------------------------------------------------------- the dataclass
+
+
+def test_exported_and_frozen():
+    assert vsurge.EngineConfig is EngineConfig
+    cfg = EngineConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.page_size = 64  # type: ignore[misc]
+    assert cfg.replace(page_size=64).page_size == 64 and cfg.page_size == 128
+
+
+def test_defaults_are_the_seeds():
+    cfg = EngineConfig()
+    assert cfg.seed == DEFAULT_SEED == 894
+    assert (cfg.driver, cfg.max_concurrent_decodes, cfg.page_size, cfg.hbm_utilization) == (
+        "vdriver",
+        16,
+        128,
+        0.6,
+    )
+    assert (cfg.max_queue_size, cfg.min_decode_tokens, cfg.enable_prefix_caching) == (1024, 128, True)
+    assert cfg.max_length is None and cfg.prefill_lengths is None and cfg.kv_cache_bytes is None
+    assert cfg.resolved("max_concurrent_prefill") == 16
+    assert cfg.replace(driver="odriver").resolved("max_concurrent_prefill") == 1
+
+
+def test_none_means_the_default_and_lengths_are_normalized():
+    cfg = EngineConfig(seed=None, page_size=None, prefill_lengths=[512, 128, 128, 256])
+    assert (cfg.seed, cfg.page_size, cfg.prefill_lengths) == (894, 128, (128, 256, 512))
+
+
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        ({"page_size": 0}, "page_size: must be >= 1, got 0"),
+        ({"max_concurrent_decodes": 2.5}, "max_concurrent_decodes: expected an integer"),
+        ({"hbm_utilization": 1.5}, "hbm_utilization: must be in (0, 1], got 1.5"),
+        ({"driver": "tdriver"}, "driver: must be one of vdriver, odriver"),
+        ({"prefill_lengths": [16, 0]}, "prefill_lengths: must be >= 1"),
+        ({"prefill_lengths": []}, "prefill_lengths: expected at least one length"),
+        ({"max_prefill_length": 512, "max_length": 256}, "max_prefill_length 512 exceeds max_length 256"),
+        ({"max_decode_stall": -1}, "max_decode_stall: must be >= 0"),
+        ({"mesh": " "}, "mesh: expected a mesh spec"),
+    ],
+)
+def test_bad_values_name_the_field(changes, fragment):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**changes)
+    assert fragment in str(e.value)
+
+
+def test_build_applies_keywords_over_a_config():
+    base = EngineConfig(max_length=256, page_size=64)
+    cfg = EngineConfig.build(base, seed=7, page_size=32)
+    assert (cfg.max_length, cfg.page_size, cfg.seed) == (256, 32, 7)
+    assert EngineConfig.build(None) == EngineConfig()
+    with pytest.raises(TypeError, match="unknown engine option.*max_lenght"):
+        EngineConfig.build(None, max_lenght=3)
+    with pytest.raises(TypeError, match="expected an EngineConfig"):
+        EngineConfig.build(32)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------- vsurge serve
+
+
+def test_serve_engine_options_come_from_the_config():
+    by_flag = {o.flag: o for o in SERVE_OPTIONS}
+    assert {flag_name(f): env_name(f) for f in serve_fields()} == ENGINE_FLAGS
+    for f in serve_fields():
+        opt = by_flag[flag_name(f)]
+        assert opt.env == env_name(f) and opt.default == f.default and opt.help == f.metadata["help"]
+    flags = [o.flag for o in SERVE_OPTIONS]
+    assert len(flags) == len(set(flags)) and len({o.env for o in SERVE_OPTIONS}) == len(flags)
+
+
+def test_serve_config_carries_an_engine_config():
+    cfg = parse_serve_config(["--page-size", "64", "--seed", "3"], {"VSURGE_PREFILL_LENGTHS": "256,128"})
+    assert cfg.engine == EngineConfig(page_size=64, seed=3, prefill_lengths=(128, 256))
+    assert (cfg.page_size, cfg.seed, cfg.prefill_lengths) == (64, 3, [128, 256])
+    assert parse_serve_config([], {}).engine == EngineConfig()
+    with pytest.raises(ConfigError, match="VSURGE_PAGE_SIZE='0': must be >= 1"):
+        parse_serve_config([], {"VSURGE_PAGE_SIZE": "0"})
+
+
+def test_help_shows_the_engine_defaults(capsys):
+    with pytest.raises(SystemExit):
+        parse_serve_config(["--help"], {})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 16) [env VSURGE_MAX_CONCURRENT_DECODES]" in out
+    assert "(default: 894) [env VSURGE_SEED]" in out
+
+
+# ---------------------------------------------------------------------------------------- engines
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama", heads=8, kv_heads=4)
+    return vsurge.load_model(path)
+
+
+def test_engines_take_a_config_and_keywords(tiny):
+    from vsurge.engines.paging import bytes_per_page
+    from vsurge.surge import vSurge
+
+    model, tok = tiny
+    cfg = EngineConfig(max_concurrent_decodes=3, max_length=96, prefill_lengths=(16, 32), seed=5)
+    v = vSurge.create_vdriver(model, tok, cfg, max_concurrent_prefill=2).driver.engines[0]
+    assert (v.max_concurrent_decodes, v.max_concurrent_prefill, v.max_length) == (3, 2, 96)
+    assert v.prefill_lengths == [16, 32] and v.engine_config.seed == 5
+    assert v.engine_config.driver == "vdriver"
+
+    per_page = bytes_per_page(model.config, 8, model.dtype)
+    o = vSurge.create(
+        model,
+        tok,
+        cfg.replace(driver="odriver", page_size=8, kv_cache_bytes=40 * per_page, min_decode_tokens=32),
+    )
+    e = o.driver.engines[0]
+    assert type(e).__name__ == "oEngine" and (e.page_size, e.max_length, e.max_concurrent_prefill) == (
+        8,
+        96,
+        1,
+    )
+    assert e.manager.num_pages == 39  # one page of the 40 is the null page
+    with pytest.raises(TypeError, match="unknown engine option"):
+        vSurge.create_vdriver(model, tok, max_lenght=3)
+
+
+# ---------------------------------------------------------------------------------------- operator contracts
+
+
+def _pod_env_names() -> dict[str, str]:
+    """{name: value} of every VSURGE_* variable the operator puts on any container of any pod it builds,
+    for specs that set every engine field, credentials and tracing (CPU, one-host and multi-host TPU)."""
+    from vsurge_operator import manifests, spec
+
+    full_engine: dict[str, Any] = {}
+    for f in dataclasses.fields(spec.EngineSpec):
+        full_engine[f.name] = {
+            "driver": "odriver",
+            "prefill_lengths": (128, 256),
+            "hbm_utilization": 0.5,
+            "dtype": "bfloat16",
+            "mesh": "tp=4",
+        }.get(f.name, 64)
+    engine = spec.EngineSpec(**full_engine)
+
+    def body(**s: Any) -> dict[str, Any]:
+        s = {"model": {"source": "hf://org/name", "credentialsSecret": "creds"}, "image": "img:1", **s}
+        s["tracing"] = {"endpoint": "http://otel:4317"}
+        return {"metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1}, "spec": s}
+
+    models = [
+        spec.parse(body()),
+        spec.parse(body(tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"})),
+        spec.parse(body(tpu={"accelerator": "tpu-v6e-slice", "topology": "4x4"})),
+    ]
+    out: dict[str, str] = {}
+    for m in models:
+        m = dataclasses.replace(m, engine=engine)
+        for obj in manifests.desired_objects(m):
+            for container in _containers(obj):
+                for e in container.get("env", []):
+                    if e["name"].startswith("VSURGE_"):
+                        out[e["name"]] = e.get("value", "")
+    return out
+
+
+def _containers(obj: Any) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in ("containers", "initContainers") and isinstance(v, list):
+                found += v
+            else:
+                found += _containers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            found += _containers(v)
+    return found
+
+
+# Read by the model-source layer under `vsurge serve` (not flags: they configure where bytes live).
+SOURCE_ENV = {
+    "VSURGE_CACHE_DIR": "vsurge.models.default_model",
+    "VSURGE_CREDENTIALS_DIR": "vsurge.models.sources.gcs",
+}
+
+
+def test_every_vsurge_variable_on_a_pod_is_read_by_vsurge_serve(monkeypatch, tmp_path):
+    import importlib
+    import inspect
+
+    pod = _pod_env_names()
+    options = {o.env for o in SERVE_OPTIONS}
+    engine_spec_vars = {n for n in pod if n not in SOURCE_ENV}
+    assert engine_spec_vars <= options, (
+        f"the operator sets variables vsurge serve ignores: {engine_spec_vars - options}"
+    )
+    # and what the operator writes there parses
+    cfg = parse_serve_config([], {n: pod[n] for n in engine_spec_vars})
+    assert (cfg.driver, cfg.page_size, cfg.prefill_lengths, cfg.mesh) == ("odriver", 64, [128, 256], "tp=4")
+    assert cfg.engine.max_concurrent_decodes == 64 and cfg.dtype == "bfloat16"
+    for name in set(pod) & set(SOURCE_ENV):
+        assert f'"{name}"' in inspect.getsource(importlib.import_module(SOURCE_ENV[name])), name
+    from vsurge.models import default_model
+
+    monkeypatch.setenv("VSURGE_CACHE_DIR", str(tmp_path))
+    assert Path(default_model.cache_dir()) == tmp_path
+
+
+def _crd_source_pattern() -> str:
+    crd = yaml.safe_load(CRD.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema["properties"]["spec"]["properties"]["model"]["properties"]["source"]["pattern"]
+
+
+EXAMPLE = {
+    "hf": "hf://org/name@main",
+    "gs": "gs://bucket/models/llama",
+    "s3": "s3://bucket/models/llama",
+    "pvc": "pvc://weights/llama-3/8b",
+}
+
+
+def test_every_model_source_scheme_the_crd_accepts_is_one_load_model_opens(monkeypatch):
+    from vsurge.models import loader, sources
+
+    pattern = _crd_source_pattern()
+    schemes = set(re.findall(r"([a-z0-9]+)://", pattern))
+    assert schemes == set(EXAMPLE), f"a CRD scheme without an example here: {schemes ^ set(EXAMPLE)}"
+    assert schemes <= {*sources.REMOTE_SCHEMES, "pvc"}
+
+    class Resolved(Exception):
+        pass
+
+    def resolve(source: str) -> str:
+        raise Resolved(source)
+
+    monkeypatch.setattr(sources, "resolve", resolve)
+    for source in EXAMPLE.values():
+        assert re.fullmatch(pattern, source), source
+        with pytest.raises(Resolved, match=re.escape(source)):
+            loader.load_model(source)  # fetched (or mounted) through models.sources, then loaded
+    # the other alternatives: the default model and an absolute local path (what pvc:// becomes on a pod)
+    assert re.fullmatch(pattern, "default") and re.fullmatch(pattern, "/models/llama")
+    with pytest.raises(Exception, match="no such file"):
+        loader.load_model("/nonexistent/model-dir")
