@@ -126,6 +126,9 @@ class ActiveRequest:
         # prompt tokens the prefix cache supplied
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.num_cached_tokens = 0
+        # the driver's bookkeeping (under its locks): still before a decode lane, and ended exactly once
+        self.in_pipeline = False
+        self.finalized = False
 
     # ------------------------------------------------------------------ consumer side
     def cancel(self) -> None:

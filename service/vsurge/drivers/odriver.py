@@ -30,8 +30,9 @@ from ..engines.oengine import oEngine
 from ..engines.page_scheduler import Chunk, PageScheduler, Seq
 from ..engines.paging import page_hashes
 from .active_request import ActiveRequest
+from .lanes import STOP, Abort, FirstToken, Preempt, Prepared, Step
 from .metrics import DriverMetrics
-from .vdriver import _DEFAULTS, _STOP, vDriver
+from .vdriver import _DEFAULTS, vDriver
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
             except Exception as e:  # one bad request must not take the driver down
                 self._fail(req, f"prefill failed: {e}")
                 continue
-            if not self._put_blocking(lane.backlog, (req, seqs)):
+            if not self._put_blocking(lane.backlog, Prepared(req, seqs)):
                 self._finish(req, "abort")
 
     # ------------------------------------------------------------------ generate thread
@@ -183,7 +184,7 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
         # prepared requests wait in the bounded backlog, not here, so the queues stay bounded
         while len(sched.waiting) < sched.num_slots:
             try:
-                _, seqs = lane.backlog.get(timeout=wait) if wait else lane.backlog.get_nowait()
+                seqs = (lane.backlog.get(timeout=wait) if wait else lane.backlog.get_nowait()).seqs
             except queue.Empty:
                 break
             wait = 0.0
@@ -206,7 +207,7 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
         for seq in sched.drop_waiting(lambda s: s.req.cancelled or s.req.error is not None):
             aborted[id(seq.req)] = seq.req
         for req in aborted.values():
-            self._lane_put(lane, ("abort", req))
+            self._lane_put(lane, Abort(req))
 
     def _run_chunk(self, lane, state, chunk: Chunk):
         sched, seq = self._sched, chunk.seq
@@ -230,7 +231,7 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
         sched.written(seq, chunk.start + chunk.length)
         if chunk.final:
             md.prefill_done_at = time.time()
-            self._lane_put(lane, ("first", seq, first))
+            self._lane_put(lane, FirstToken(seq, first))
             if not sched.start_decoding(seq):
                 sched.release(seq)  # its first token was its last
         return state
@@ -246,7 +247,7 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
         for seq in seqs:
             if seq.decoding:
                 # its tokens so far are in flight to the detokenizer, which queues the recompute
-                self._lane_put(lane, ("preempt", seq))
+                self._lane_put(lane, Preempt(seq))
             else:
                 self._sched.add(seq.fresh(), front=True)
 
@@ -265,7 +266,7 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
             preempted = sched.grow() if sched.any_decoding() else []
             if preempted or not sched.any_decoding():
                 if pending is not None:  # everything a preempted sequence produced goes out first
-                    self._lane_put(lane, ("step", *pending))
+                    self._lane_put(lane, pending)
                     pending = None
                 self._preempted(lane, preempted)
             if not sched.any_decoding():
@@ -282,34 +283,33 @@ class oDriver(vDriver):  # noqa: N801 - the seed's name
             for leaf in out:
                 leaf.copy_to_host_async()
             if pending is not None:
-                self._lane_put(lane, ("step", *pending))
-            pending = (out, sched.decoding(out.tokens.shape[0]))
+                self._lane_put(lane, pending)
+            pending = Step(out, sched.decoding(out.tokens.shape[0]))
             sched.stepped()  # sequences whose last token this was are released now
         if pending is not None:
-            self._lane_put(lane, ("step", *pending))
-        self._lane_put(lane, _STOP, force=True)
+            self._lane_put(lane, pending)
+        self._lane_put(lane, STOP, force=True)
 
     # ------------------------------------------------------------------ detokenize thread
     def _detokenize_loop(self, lane) -> None:
         max_length = self._engine.max_length
         while True:
             item = lane.detok.get()
-            if item is _STOP:
+            if item is STOP:
                 return
-            kind = item[0]
-            if kind == "abort":
-                self._finish(item[1], "abort")
-            elif kind == "preempt":
-                self._recompute(item[1])
-            elif kind == "first":
-                _, seq, first = item
+            if isinstance(item, Abort):
+                self._finish(item.req, "abort")
+            elif isinstance(item, Preempt):
+                self._recompute(item.seq)
+            elif isinstance(item, FirstToken):
+                seq, first = item.owner, item.result
                 if seq.index == 0 and not seq.req.samples[0].prompt_info_sent:
                     seq.req.num_cached_tokens = seq.cached_tokens  # usage.prompt_tokens_details
                 self._take_token(lane, seq, [np.asarray(x) for x in first], 0, max_length)
                 self._flush(lane, [seq.req])
             else:
-                _, out, seqs = item
-                host = [np.asarray(x) for x in out]
+                seqs = item.owners
+                host = [np.asarray(x) for x in item.result]
                 touched = {}
                 for slot, seq in enumerate(seqs):
                     if seq is not None and self._take_token(lane, seq, host, slot, max_length):

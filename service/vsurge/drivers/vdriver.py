@@ -31,11 +31,11 @@ from ..engine_config import EngineConfig
 from ..engines.vengine import vEngine
 from ..request import QueueFullError
 from .active_request import ActiveRequest
+from .lanes import STOP, Abort, FirstToken, Prefilled, PrefilledPack, Step
 from .metrics import DriverMetrics, MetricsRecorder
 
 log = logging.getLogger(__name__)
 _DEFAULTS = EngineConfig()  # the driver knobs' defaults live in EngineConfig
-_STOP = None
 
 
 def _as_list(x) -> list:
@@ -138,7 +138,7 @@ class vDriver:  # noqa: N801 - the seed's name
         if request.params.n > self._lanes[0].engine.max_concurrent_decodes:
             raise ValueError(f"n={request.params.n} exceeds max_concurrent_decodes")
         with self._pipeline_lock:
-            request._in_pipeline = True
+            request.in_pipeline = True
             self._in_pipeline += 1
         try:
             self._prefill_q.put_nowait(request)
@@ -197,7 +197,7 @@ class vDriver:  # noqa: N801 - the seed's name
         # whatever is left in a queue or waiting for a slot was never started: abort it
         for lane in self._lanes:
             while lane.waiting:
-                self._finish(lane.waiting.popleft()[0], "abort")
+                self._finish(lane.waiting.popleft().req, "abort")
             # a stopped driver holds no slot (releases still queued were for the generate thread)
             for slot, owner in enumerate(lane.owners):
                 if owner is not None:
@@ -213,8 +213,8 @@ class vDriver:  # noqa: N801 - the seed's name
                     item = q.get_nowait()
                 except queue.Empty:
                     break
-                head = item[0] if isinstance(item, tuple) else item
-                for req in head if isinstance(head, list) else [head]:
+                reqs = item.batch if isinstance(item, PrefilledPack) else [getattr(item, "req", item)]
+                for req in reqs:
                     if isinstance(req, ActiveRequest):
                         self._finish(req, "abort")
 
@@ -222,9 +222,9 @@ class vDriver:  # noqa: N801 - the seed's name
     def _finalize(self, req: ActiveRequest) -> bool:
         """True exactly once per request: its end is counted and its channel closed once."""
         with req._lock:
-            if getattr(req, "_finalized", False):
+            if req.finalized:
                 return False
-            req._finalized = True
+            req.finalized = True
             return True
 
     def _finish(self, req: ActiveRequest, reason: str) -> None:
@@ -326,7 +326,7 @@ class vDriver:  # noqa: N801 - the seed's name
             batch.clear()  # failed, not aborted
             return True
         # stopping: the hand-off never happened
-        return self._put_blocking(self._transfer_q, (batch, engine, prefix))
+        return self._put_blocking(self._transfer_q, PrefilledPack(batch, engine, prefix))
 
     def _put_blocking(self, q: queue.Queue, item) -> bool:
         while self._live:
@@ -340,10 +340,10 @@ class vDriver:  # noqa: N801 - the seed's name
     def _transfer_loop(self) -> None:
         while self._live:
             try:
-                batch, src, prefix = self._transfer_q.get(timeout=0.1)
+                pack = self._transfer_q.get(timeout=0.1)
             except queue.Empty:
                 continue
-            self._transfer(batch, src, prefix)
+            self._transfer(pack.batch, pack.engine, pack.prefix)
 
     def _transfer(self, batch: list[ActiveRequest], src: vEngine, prefix) -> None:
         lane = max(self._lanes, key=lambda ln: len(ln.free) - ln.backlog.qsize())
@@ -358,7 +358,7 @@ class vDriver:  # noqa: N801 - the seed's name
         now = time.time()
         for j, req in enumerate(batch):
             req.metadata.prefill_done_at = now
-            if self._put_blocking(lane.backlog, (req, prefix, j)):
+            if self._put_blocking(lane.backlog, Prefilled(req, prefix, j)):
                 self._left_pipeline(req)
             else:
                 self._finish(req, "abort")
@@ -366,8 +366,8 @@ class vDriver:  # noqa: N801 - the seed's name
     def _left_pipeline(self, req: ActiveRequest) -> None:
         """The request reached a lane or ended: decode no longer waits for it (once per request)."""
         with self._pipeline_lock:
-            if getattr(req, "_in_pipeline", False):
-                req._in_pipeline = False
+            if req.in_pipeline:
+                req.in_pipeline = False
                 self._in_pipeline -= 1
 
     def _release(self, lane: _DecodeLane, slot: int) -> None:
@@ -395,17 +395,18 @@ class vDriver:  # noqa: N801 - the seed's name
                     self._release(lane, slot)
                     cancelled[id(owner[0])] = owner[0]
             for req in cancelled.values():
-                self._lane_put(lane, ("abort", req))
+                self._lane_put(lane, Abort(req))
             # admit prefilled requests while their n samples fit
             while True:
                 try:
                     lane.waiting.append(lane.backlog.get_nowait())
                 except queue.Empty:
                     break
-            while lane.waiting and len(lane.free) >= lane.waiting[0][0].params.n:
-                req, prefix, j = lane.waiting.popleft()
+            while lane.waiting and len(lane.free) >= lane.waiting[0].req.params.n:
+                ready = lane.waiting.popleft()
+                req, prefix, j = ready.req, ready.prefix, ready.index
                 if req.cancelled:
-                    self._lane_put(lane, ("abort", req))
+                    self._lane_put(lane, Abort(req))
                     continue
                 slots = [heapq.heappop(lane.free) for _ in range(req.params.n)]
                 try:
@@ -420,13 +421,13 @@ class vDriver:  # noqa: N801 - the seed's name
                 for i, (slot, first) in enumerate(zip(slots, firsts, strict=True)):
                     lane.owners[slot] = (req, i)
                     req.samples[i].slot = slot
-                    self._lane_put(lane, ("first", req, i, slot, first))
+                    self._lane_put(lane, FirstToken((req, i, slot), first))
             idle = all(o is None for o in lane.owners)
             stall = 0.0 if idle else self._decode_stall(lane, last_step)
             if idle or stall > 0:
                 self._may_prefill.set()
                 if pending is not None:
-                    self._lane_put(lane, ("step", *pending))
+                    self._lane_put(lane, pending)
                     pending = None
                 try:
                     lane.waiting.append(lane.backlog.get(timeout=0.05 if idle else stall))
@@ -448,11 +449,11 @@ class vDriver:  # noqa: N801 - the seed's name
                 leaf.copy_to_host_async()
             self._may_prefill.set()
             if pending is not None:
-                self._lane_put(lane, ("step", *pending))
-            pending = (out, list(lane.owners))
+                self._lane_put(lane, pending)
+            pending = Step(out, list(lane.owners))
         if pending is not None:
-            self._lane_put(lane, ("step", *pending))
-        self._lane_put(lane, _STOP, force=True)
+            self._lane_put(lane, pending)
+        self._lane_put(lane, STOP, force=True)
         for owner in {o[0] for o in lane.owners if o is not None}:
             if not owner.done:
                 self._finish(owner, "abort")
@@ -479,20 +480,19 @@ class vDriver:  # noqa: N801 - the seed's name
         max_length = lane.engine.max_length
         while True:
             item = lane.detok.get()
-            if item is _STOP:
+            if item is STOP:
                 return
-            kind = item[0]
-            if kind == "abort":
-                self._finish(item[1], "abort")
+            if isinstance(item, Abort):
+                self._finish(item.req, "abort")
                 continue
-            if kind == "first":
-                _, req, i, slot, first = item
-                host = [np.asarray(x) for x in first]
+            if isinstance(item, FirstToken):
+                req, i, slot = item.owner
+                host = [np.asarray(x) for x in item.result]
                 self._account(lane, req, i, slot, host, 0, max_length)
                 self._flush(lane, [req])
                 continue
-            _, out, owners = item
-            host = [np.asarray(x) for x in out]
+            owners = item.owners
+            host = [np.asarray(x) for x in item.result]
             touched = []
             for slot, owner in enumerate(owners[: len(host[0])]):  # the step decoded the leading slots
                 if owner is None:
