@@ -148,7 +148,7 @@ def test_cpu_model_deployment_pods_status_scale_drift_and_gc(k8s, api, namespace
             lambda res=res: (
                 api.get(res, namespace, "cpu") is None and not api.list(res, namespace, "vsurge.io/model=cpu")
             ),
-            30,
+            90,
             message=f"{res.kind} garbage-collected",
         )
     assert not kubelet.errors
@@ -215,7 +215,8 @@ def test_tpu_single_host_deployment_multi_host_lws_switch_and_invalid(k8s, api, 
     for name in ("small", "big", "bad"):
         api.delete(IM, namespace, name)
     for res in (kube.DEPLOYMENT, kube.LEADER_WORKER_SET, kube.PDB):
-        wait_for(lambda res=res: not api.list(res, namespace), 30, message=f"{res.kind}s garbage-collected")
+        # the controller-manager's garbage collector runs on its own schedule: slow on a loaded machine
+        wait_for(lambda res=res: not api.list(res, namespace), 90, message=f"{res.kind}s garbage-collected")
 
 
 def test_restart_and_two_racing_operators_create_no_duplicates(k8s, api, namespace, operator, kubelet):
@@ -298,8 +299,16 @@ def test_edit_storm_converges_to_the_last_edit(k8s, api, namespace, operator, ku
         20,
         message="ready at the last edit",
     )
-    model = api.get(IM, namespace, "storm")
+    # the status write that records the last generation may trail the workload by one handler run
+    model = wait_for(
+        lambda: (
+            (m := api.get(IM, namespace, "storm"))["status"].get("observedGeneration")
+            == m["metadata"]["generation"]
+            and m
+        ),
+        30,
+        message="observedGeneration reaches the last generation",
+    )
     assert model["metadata"]["finalizers"] and condition(model, "Degraded")["status"] == "False"
-    assert model["status"]["observedGeneration"] == model["metadata"]["generation"]
     assert len(api.list(kube.DEPLOYMENT, namespace)) == 1
     print(f"{len(edits)} edits, {len(conflicts)} refused with 409 (stale resourceVersion)")

@@ -326,8 +326,9 @@ def test_invalid_spec_is_degraded_and_creates_nothing(cluster, namespace, api, s
     assert degraded["reason"] == "InvalidSpec"
     assert "spec.tpu.topology" in degraded["message"] and "4x4x4" in degraded["message"]
     assert condition(im, "Ready")["status"] == "False"
-    invalid = _events(cluster, namespace, "InvalidSpec")
-    assert invalid and invalid[0]["type"] == "Warning" and "spec.tpu.topology" in invalid[0]["message"]
+    # kopf posts the event after the status patch, from its own task: wait for it
+    invalid = wait_for(lambda: _events(cluster, namespace, "InvalidSpec"), message="InvalidSpec event")
+    assert invalid[0]["type"] == "Warning" and "spec.tpu.topology" in invalid[0]["message"]
     time.sleep(1.5)  # a few resyncs: still nothing half-way
     for plural in ("deployments", "leaderworkersets", "services", "poddisruptionbudgets"):
         assert not cluster.objects(plural, namespace), plural

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vsurge
-from vsurge.engines.sampling import sample
+from vsurge.engines.sampling import sample_jit
 from vsurge.engines.vengine import vEngine
 from vsurge.models import greedy_generate
 from vsurge.sampling_params import SamplingParams
@@ -96,7 +96,8 @@ def test_logit_bias_and_allowed_ids_on_device():
         SamplingParams(temperature=0.0, logit_bias={7: 100}),
         SamplingParams(temperature=1.0, seed=3, allowed_token_ids=[3, 11, 42]),
     ]
-    out = sample(logits, make_slot_sampling(params), None, None, jnp.zeros(4, jnp.int32))
+    rows = make_slot_sampling(params)
+    out = sample_jit(logits, rows, None, None, jnp.zeros(4, jnp.int32))
     toks = np.asarray(out.tokens)
     assert toks[0] == int(np.argmax(np.asarray(logits[0])))
     assert toks[1] != banned_top
@@ -110,6 +111,6 @@ def test_logit_bias_and_allowed_ids_on_device():
     # many draws: allowed ids only, and all of them reachable
     seen = set()
     for step in range(60):
-        o = sample(logits, make_slot_sampling(params), None, None, jnp.full(4, step, jnp.int32))
+        o = sample_jit(logits, rows, None, None, jnp.full(4, step, jnp.int32))
         seen.add(int(np.asarray(o.tokens)[3]))
     assert seen <= {3, 11, 42} and len(seen) >= 2
