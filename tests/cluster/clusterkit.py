@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 from kmock_harness import LoggedProcess
+from kmock_harness import wait_for as _wait_for
 from kubernetes.client.exceptions import ApiException
 from operator_harness import OperatorProcess
 
@@ -46,15 +47,8 @@ def next_pod_ip() -> str:
 def wait_for(
     predicate: Callable[[], Any], timeout: float = 20, interval: float = 0.1, message: str = ""
 ) -> Any:
-    """Poll until ``predicate`` returns something truthy; return it, or fail with ``message``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s: {message} (last: {last!r})")
+    """kmock_harness.wait_for with the real server's pace (longer timeout, slower polling)."""
+    return _wait_for(predicate, timeout, interval, message)
 
 
 def inference_model(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
