@@ -163,7 +163,9 @@ class SamplingParams:
         if lb is None:
             return
         if not isinstance(lb, dict):
-            _fail("logit_bias", f"must be a map of token id to a bias in [-100, 100], got {type(lb).__name__}")
+            _fail(
+                "logit_bias", f"must be a map of token id to a bias in [-100, 100], got {type(lb).__name__}"
+            )
         if len(lb) > MAX_LOGIT_BIAS:
             _fail("logit_bias", f"must have at most {MAX_LOGIT_BIAS} entries, got {len(lb)}")
         for t, b in lb.items():
