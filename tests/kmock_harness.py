@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
+import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -468,3 +470,25 @@ class LoggedProcess:
             return self.log_path.read_text(errors="replace")[-20000:]
         except OSError:
             return ""
+
+
+# ------------------------------------------------------------------------------------- subprocesses
+
+
+def vsurge_command() -> list[str]:
+    """The installed `vsurge` console script (what users run), else the same entry point through Python."""
+    script = Path(sys.executable).parent / "vsurge"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without settings that would steer a child elsewhere (cluster, tracing)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_", "KUBECONFIG"))
+    }
+    env.update(extra)
+    return env

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kmock_harness import LoggedProcess
+from kmock_harness import LoggedProcess, clean_env, vsurge_command  # noqa: F401 - re-exported
 from kmock_harness import wait_for as _wait_for
 from kubernetes.client.exceptions import ApiException
 from operator_harness import OperatorProcess
@@ -171,23 +171,6 @@ def start_operator(
     if not standalone:
         proc.args = [a for a in proc.args if a != "--standalone"]
     return proc.start()
-
-
-def vsurge_command() -> list[str]:
-    script = Path(sys.executable).parent / "vsurge"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_", "KUBECONFIG"))
-    }
-    env.update(extra)
-    return env
 
 
 def serve(model_dir: Path, ip: str, log_path: Path, served_name: str, *flags: str) -> LoggedProcess:

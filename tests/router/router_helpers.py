@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from kmock_harness import clean_env, vsurge_command  # noqa: F401 - the router tests import them from here
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -260,22 +260,3 @@ def inference_model(
 
 
 # ------------------------------------------------------------------------------------- subprocesses
-
-
-def vsurge_command() -> list[str]:
-    """The installed `vsurge` console script (what users run), else the same entry point through Python."""
-    script = Path(sys.executable).parent / "vsurge"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment without settings that would steer a child elsewhere (cluster, tracing)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("KUBERNETES_", "OTEL_", "VSURGE_", "KUBECONFIG"))
-    }
-    env.update(extra)
-    return env
