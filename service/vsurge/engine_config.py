@@ -29,8 +29,10 @@ from .sampling_params import MAX_TOP_LOGPROBS
 
 __all__ = [
     "DEFAULT_SEED",
+    "ATTENTION_BACKENDS",
     "DRIVERS",
     "MAX_LENGTH_CAP",
+    "QUANTIZATIONS",
     "EngineConfig",
     "driver_default",
     "env_name",
@@ -40,6 +42,8 @@ __all__ = [
 
 DEFAULT_SEED = 894  # the seed's engine seed, for requests without a seed of their own
 DRIVERS = ("vdriver", "odriver")
+ATTENTION_BACKENDS = ("auto", "pallas", "jax")  # paged attention (models/pallas_sharded.py)
+QUANTIZATIONS = ("none", "int8")  # weight quantization at load (models/quantization.py)
 MAX_LENGTH_CAP = 2048  # max_length=None: the model's context, at most this
 
 # Defaults that differ by driver, for fields left at None (the engine fills them in).
@@ -245,8 +249,25 @@ class EngineConfig:
         128, "odriver: the smallest cache length a decode step reads", check=at_least(1)
     )
     enable_prefix_caching: bool = knob(True, "odriver: share the KV pages of common prompt prefixes")
+    attention: str = knob(
+        "auto",
+        "odriver's paged attention: pallas (the Pallas TPU ragged kernel in shard_map; interpreted off "
+        "TPU), jax (pure JAX), auto (pallas on TPU when the kernel takes the model's shapes, else jax)",
+        check=_one_of(*ATTENTION_BACKENDS),
+        serve=True,
+        text=parse_choice(*ATTENTION_BACKENDS),
+    )
     max_queue_size: int = knob(
         1024, "requests waiting for prefill before QueueFullError (0: no limit)", check=at_least(0)
+    )
+    max_num_batched_tokens: int | None = knob(
+        None,
+        "odriver: tokens one device step runs: one per decoding sequence, the rest prefill chunks",
+        check=at_least(1),
+        serve=True,
+        text=parse_int,
+        metavar="N",
+        shown="256, or 2 x max_concurrent_decodes if more",
     )
     interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
     max_decode_stall: float = knob(
@@ -254,7 +275,15 @@ class EngineConfig:
         "vdriver: seconds decode may wait for prompts being prefilled into free slots (0: never)",
         check=_non_negative,
     )
-    detokenizing_blocks: int = knob(8, "tokens per detokenize batch", check=at_least(1))
+    quantization: str = knob(
+        "none",
+        "weights: none (the dtype's) or int8 (weight-only, per output channel, quantized at load; "
+        "GGUF Q8_0 kept as stored)",
+        check=_one_of(*QUANTIZATIONS),
+        serve=True,
+        text=parse_choice(*QUANTIZATIONS),
+    )
+    detokenizing_blocks: int = knob(8, "decode steps that may run ahead of detokenization", check=at_least(1))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -418,7 +418,7 @@ def test_prompts_are_prefilled_before_decode_resumes(tiny):
     try:
         actives = [s.submit(ids_request([3 + i] * (10 + i), 3)) for i in range(6)]
         deadline = time.time() + 5
-        while s.driver._prefill_q.qsize() > 5 and time.time() < deadline:
+        while s.driver.pipeline.prefill_q.qsize() > 5 and time.time() < deadline:
             time.sleep(0.005)  # the prefill thread holds the first prompt, gated
         assert s.metrics().requests_waiting == 6  # the one in the prefill thread's hands counts too
         gate.set()

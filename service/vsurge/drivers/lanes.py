@@ -5,7 +5,8 @@
     generate thread --FirstToken | Step | Abort | Preempt | STOP--> detokenize thread
 
 Each class says what one hand-off carries; a consumer dispatches on the type. `owner` / `owners` are the
-driver's own unit of work: (request, sample index) in vDriver, a paged `Seq` in oDriver.
+driver's own unit of work, an *owner* with ``req`` and ``index``: a `SlotOwner` in vDriver, a paged `Seq` in
+oDriver.
 """
 
 from __future__ import annotations
@@ -70,6 +71,22 @@ class Preempt:
     """A decoding sequence lost its pages (oDriver): recompute it once its tokens so far are accounted."""
 
     seq: Any
+
+
+def requests_of(item: Any) -> list[ActiveRequest]:
+    """The requests a queued message holds (to abort them when a driver stops with it still queued)."""
+    if isinstance(item, ActiveRequest):
+        return [item]
+    if isinstance(item, PrefilledPack):
+        return list(item.batch)
+    if isinstance(item, Prefilled | Prepared | Abort):
+        return [item.req]
+    if isinstance(item, FirstToken | Preempt):
+        owner = item.owner if isinstance(item, FirstToken) else item.seq
+        return [owner.req]
+    if isinstance(item, Step):
+        return list({id(o.req): o.req for o in item.owners if o is not None}.values())
+    return []
 
 
 class _Stop:
