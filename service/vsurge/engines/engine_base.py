@@ -70,8 +70,13 @@ def constrain(state: Any, shardings: Any) -> Any:
     return state if shardings is None else jax.lax.with_sharding_constraint(state, shardings)
 
 
-def sample_step(state: Any, logits: jax.Array, *, rows: int, num_top: int, shardings: Any):
+def sample_step(
+    state: Any, logits: jax.Array, token_mask: jax.Array | None = None, *, rows: int, num_top: int, shardings: Any
+):
     """Sample the first `rows` slots and advance them (tokens, positions, steps, penalty counts).
+
+    ``token_mask`` (i32[rows, ceil(V/32)], structured output) is the packed mask of the allowed next tokens;
+    None traces the step without it.
 
     `state` is either engine's decode state: both carry tokens, positions, steps, counts, prompt_mask and
     sampling with one row per slot. Separate from the model forward, so it compiles once per row count.
@@ -79,7 +84,13 @@ def sample_step(state: Any, logits: jax.Array, *, rows: int, num_top: int, shard
     sampling = SlotSampling(*(a[:rows] for a in state.sampling))
     with sampling_context(shardings):
         out = sample(
-            logits, sampling, state.counts[:rows], state.prompt_mask[:rows], state.steps[:rows], num_top
+            logits,
+            sampling,
+            state.counts[:rows],
+            state.prompt_mask[:rows],
+            state.steps[:rows],
+            num_top,
+            token_mask=token_mask,
         )
     new = state._replace(
         tokens=state.tokens.at[:rows].set(out.tokens),

@@ -15,11 +15,19 @@ Interface
 * ``num_top_logprobs``  static int K (0..20).
 * ``candidate_cap``     static int; how many top candidates the cheap top-k/top-p path looks at.
 
+* ``token_mask``        optional i32[S, ceil(V/32)], packed: bit ``t % 32`` of word ``t // 32`` set <=> token t
+                        may be sampled (structured output; unconstrained rows are all ones, -1 words).
+                        ``None`` traces the program without it, exactly as before.
+
 Returns `SampleResult(tokens i32[S], logprob f32[S], top_ids i32[S, K], top_logprobs f32[S, K])`; the
-logprobs are of the model's raw distribution (``log_softmax(logits)``, before penalties or temperature).
+logprobs are of the model's raw distribution (``log_softmax(logits)``, before penalties or temperature) — under
+a token mask, of the masked one (disallowed tokens -inf, the rest renormalized), as vLLM reports them: the
+reported top candidates are then tokens the request could actually have produced.
 
 Semantics, per slot, in this order (vLLM / Hugging Face conventions):
 
+m. with a token mask, every token whose bit is clear gets ``-inf`` before anything else (a row of all ones
+   leaves the logits bit for bit unchanged, so unconstrained slots sample exactly what they would without);
 0. logit_bias is added to the listed ids; with allowed_token_ids every id not listed gets ``-inf``
    (both live in one sparse row per slot, ``bias_ids`` / ``bias_vals``, so a step without them pays one
    comparison over that row and nothing over the vocabulary);
@@ -90,6 +98,7 @@ __all__ = [
     "prompt_mask_from_tokens",
     "sample",
     "sample_jit",
+    "apply_token_mask",
     "seed_key_data",
     "set_slot",
     "update_counts",
@@ -388,6 +397,23 @@ def _suppress_stop_ids(logits, params, step):
     return logits.at[jnp.arange(s)[:, None], jnp.where(active, ids, v)].set(-jnp.inf, mode="drop")
 
 
+def unpack_token_mask(token_mask: jax.Array, vocab_size: int) -> jax.Array:
+    """bool[S, V] from the packed i32[S, ceil(V/32)] mask (bit t % 32 of word t // 32)."""
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(token_mask.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
+def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """Disallowed tokens -> -inf. Behind a cond: a batch whose rows are all ones pays one compare of the
+    packed words (S x V/32), not the unpack over the vocabulary."""
+    return lax.cond(
+        jnp.any(token_mask != -1),
+        lambda x: jnp.where(unpack_token_mask(token_mask, x.shape[-1]), x, -jnp.inf),
+        lambda x: x,
+        logits,
+    )
+
+
 def _uniforms(key_data: jax.Array, step: jax.Array) -> jax.Array:
     """f32[S, 2] uniforms in [0, 1), a function of (key[s], step[s]) only."""
 
@@ -543,6 +569,7 @@ def sample(
     num_top_logprobs: int = 0,
     *,
     candidate_cap: int = DEFAULT_CANDIDATE_CAP,
+    token_mask: jax.Array | None = None,
 ) -> SampleResult:
     """Sample one token per slot; see the module docstring for shapes and semantics."""
     if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
@@ -551,6 +578,8 @@ def sample(
     s, v = logits.shape
     cap = max(1, min(candidate_cap, v))
     step = jnp.asarray(step, jnp.int32)
+    if token_mask is not None:
+        logits = apply_token_mask(logits, token_mask)
 
     pen = lax.cond(jnp.any(params.bias_ids >= 0), lambda x: _apply_bias(x, params), lambda x: x, logits)
     if generated_counts is not None or prompt_mask is not None:
