@@ -83,7 +83,29 @@ class SampleProgress:
 
 
 class ActiveRequest:
-    """A request as the driver sees it. Drivers accept nothing else (`submit_request` raises TypeError)."""
+    """A request as the driver sees it. Drivers accept nothing else (`submit_request` raises TypeError).
+
+    Its state is declared here and nowhere else (``__slots__``): a driver setting an attribute this class
+    does not declare fails at once instead of growing the request behind its back."""
+
+    __slots__ = (
+        "id",
+        "prompt_ids",
+        "params",
+        "model",
+        "metadata",
+        "channel",
+        "stop_ids",
+        "keys",
+        "samples",
+        "_cancelled",
+        "_lock",
+        "error",
+        "prompt_logprobs",
+        "num_cached_tokens",
+        "in_pipeline",
+        "finalized",
+    )
 
     def __init__(
         self,
