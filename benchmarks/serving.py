@@ -6,6 +6,10 @@
     python benchmarks/serving.py --base-url http://127.0.0.1:11556/v1 --request-rate 4 --num-requests 100
     # HTTP against in-process on the same engine, side by side in one run (A/B/A/B...):
     python benchmarks/serving.py --compare --model default --concurrency 32 --num-requests 128
+    # a named workload (see PRESETS): 64 streaming completions, 32 in flight, prompts 32-512 tokens:
+    python benchmarks/serving.py --base-url http://127.0.0.1:11556/v1 --preset mixed-32
+    # the same workload against vsurge (both drivers), vLLM CPU and llama.cpp, one at a time, one table:
+    python benchmarks/serving.py --peers --preset mixed-32 --vllm /work/peers/vllm-venv/bin/vllm
 
 Per request: TTFT (send -> first content chunk), TPOT = (latency - TTFT) / (output tokens - 1), ITL (gaps
 between content chunks), end-to-end latency; reported as mean / p50 / p99, with request throughput and
@@ -21,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -117,6 +122,74 @@ def make_prompts(n: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
+@dataclass(frozen=True)
+class Job:
+    """One request of a workload: its prompt and, where the workload varies it, its own max_tokens."""
+
+    prompt: str
+    max_tokens: int | None = None  # None: --max-tokens
+    prompt_words: int = 0
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named workload: every server is measured on exactly the same requests (fixed seed)."""
+
+    description: str
+    num_requests: int
+    concurrency: int
+    prompt_tokens: tuple[int, int]  # inclusive range, drawn uniformly per request
+    max_tokens: tuple[int, int]  # inclusive range, drawn uniformly per request
+    endpoint: str = "completions"
+    ignore_eos: bool = True
+    temperature: float = 0.0
+
+
+# Issue 14's workload: arriving traffic with long prompts, where decode can stall behind prefill.
+PRESETS: dict[str, Preset] = {
+    "mixed-32": Preset(
+        "64 streaming /v1/completions, 32 in flight, prompts 32-512 tokens, max_tokens 16-256, ignore_eos, "
+        "temperature 0",
+        num_requests=64,
+        concurrency=32,
+        prompt_tokens=(32, 512),
+        max_tokens=(16, 256),
+    ),
+    "mixed-64": Preset(
+        "the mixed-32 requests at 64 in flight",
+        num_requests=64,
+        concurrency=64,
+        prompt_tokens=(32, 512),
+        max_tokens=(16, 256),
+    ),
+}
+
+
+def make_jobs(n: int, prompt_tokens: tuple[int, int], max_tokens: tuple[int, int], seed: int) -> list[Job]:
+    """n requests with prompt lengths and max_tokens drawn uniformly from the inclusive ranges.
+
+    A prompt of N tokens is N words of WORDS: each is one token (with its leading space) for the
+    SmolLM2/Llama BPE vocabularies, so every server sees the same text and about the same length; the
+    exact counts come back in each answer's usage. Prompts are random, so no prefix cache gets them free.
+    """
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(n):
+        words = rng.randint(*prompt_tokens)
+        jobs.append(
+            Job(
+                prompt=" ".join(rng.choice(WORDS) for _ in range(words)),
+                max_tokens=rng.randint(*max_tokens),
+                prompt_words=words,
+            )
+        )
+    return jobs
+
+
+def as_jobs(prompts: list[str] | list[Job]) -> list[Job]:
+    return [p if isinstance(p, Job) else Job(p) for p in prompts]
+
+
 def _stats(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "p50": None, "p99": None}
@@ -160,9 +233,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 
 async def run_schedule(
-    one: Any, prompts: list[str], concurrency: int | None, rate: float | None, seed: int
+    one: Any, prompts: list[Any], concurrency: int | None, rate: float | None, seed: int
 ) -> tuple[list[RequestResult], float]:
-    """Run `one(prompt)` for every prompt at a fixed concurrency or with Poisson arrivals at `rate`/s."""
+    """Run `one(item)` for every item at a fixed concurrency or with Poisson arrivals at `rate`/s."""
     results: list[RequestResult] = []
     t0 = time.perf_counter()
     if rate:
@@ -170,7 +243,7 @@ async def run_schedule(
         sem = asyncio.Semaphore(concurrency) if concurrency else None
         tasks = []
 
-        async def guarded(p: str) -> None:
+        async def guarded(p: Any) -> None:
             if sem is None:
                 results.append(await one(p))
                 return
@@ -195,9 +268,12 @@ async def run_schedule(
 # --------------------------------------------------------------------------------------------- HTTP
 
 
-async def http_run(args: argparse.Namespace, prompts: list[str]) -> tuple[list[RequestResult], float]:
+async def http_run(
+    args: argparse.Namespace, prompts: list[str] | list[Job]
+) -> tuple[list[RequestResult], float]:
     import aiohttp
 
+    jobs = as_jobs(prompts)
     base = args.base_url.rstrip("/")
     headers = {"Content-Type": "application/json"}
     if args.api_key:
@@ -212,10 +288,11 @@ async def http_run(args: argparse.Namespace, prompts: list[str]) -> tuple[list[R
         chat = args.endpoint == "chat"
         url = f"{base}/chat/completions" if chat else f"{base}/completions"
 
-        async def one(prompt: str) -> RequestResult:
+        async def one(job: Job) -> RequestResult:
+            prompt = job.prompt
             body: dict[str, Any] = {
                 "model": model,
-                "max_tokens": args.max_tokens,
+                "max_tokens": job.max_tokens or args.max_tokens,
                 "temperature": args.temperature,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -267,9 +344,9 @@ async def http_run(args: argparse.Namespace, prompts: list[str]) -> tuple[list[R
                 res.error = f"{type(e).__name__}: {e}"[:200]
             return res
 
-        for p in prompts[: args.warmup]:
-            await one(p)
-        return await run_schedule(one, prompts, args.concurrency, args.request_rate, args.seed)
+        for j in jobs[: args.warmup]:  # short: warm-up compiles/caches, it is not part of the workload
+            await one(Job(j.prompt, min(j.max_tokens or args.max_tokens, 8)))
+        return await run_schedule(one, jobs, args.concurrency, args.request_rate, args.seed)
 
 
 # --------------------------------------------------------------------------------------- in-process
@@ -298,12 +375,20 @@ def build_surge(args: argparse.Namespace) -> Any:
 
 
 async def inprocess_run(
-    surge: Any, args: argparse.Namespace, prompts: list[str]
+    surge: Any, args: argparse.Namespace, prompts: list[str] | list[Job]
 ) -> tuple[list[RequestResult], float]:
     from vsurge.request import vSurgeRequest
     from vsurge.sampling_params import SamplingParams
 
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    jobs = as_jobs(prompts)
+
+    def params(job: Job) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=job.max_tokens or args.max_tokens,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+        )
+
     proc = surge.processor
     chat = args.endpoint == "chat"
 
@@ -314,11 +399,12 @@ async def inprocess_run(
             [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
         )
 
-    async def one(prompt: str) -> RequestResult:
+    async def one(job: Job) -> RequestResult:
         res = RequestResult(ok=False, start=time.perf_counter())
         last = None
         try:
-            async for samples in surge.complete(vSurgeRequest.from_sampling_params(text(prompt), sp)):
+            request = vSurgeRequest.from_sampling_params(text(job.prompt), params(job))
+            async for samples in surge.complete(request):
                 for s in samples:
                     res.output_tokens = max(res.output_tokens, s.num_generated_tokens)
                     res.prompt_tokens = s.num_prompt_tokens
@@ -335,9 +421,9 @@ async def inprocess_run(
             res.error = f"{type(e).__name__}: {e}"[:200]
         return res
 
-    for p in prompts[: args.warmup]:
-        await one(p)
-    return await run_schedule(one, prompts, args.concurrency, args.request_rate, args.seed)
+    for j in jobs[: args.warmup]:
+        await one(Job(j.prompt, min(j.max_tokens or args.max_tokens, 8)))
+    return await run_schedule(one, jobs, args.concurrency, args.request_rate, args.seed)
 
 
 # ------------------------------------------------------------------------------------------ compare
@@ -368,6 +454,7 @@ def compare(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
             cmd += ["--concurrency", str(args.concurrency)] if args.concurrency else []
             cmd += ["--request-rate", str(args.request_rate)] if args.request_rate else []
             cmd += ["--ignore-eos"] if args.ignore_eos else []
+            cmd += ["--preset", args.preset] if args.preset else []
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs["http"].append(json.loads(out))
             print(
@@ -386,6 +473,49 @@ def compare(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
         "mean_output_token_throughput": mean,
         "http_over_inprocess": mean["http"] / mean["inprocess"] if mean["inprocess"] else None,
     }
+
+
+# -------------------------------------------------------------------------------------------- peers
+
+
+def _peers_module() -> Any:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script or via runpy
+    import peers
+
+    return peers
+
+
+def peers_run(args: argparse.Namespace, jobs: list[Job]) -> list[tuple[str, dict[str, Any] | None, str]]:
+    """Each server in turn: start, wait for ready, the same jobs with the same client, stop. Table rows."""
+    import copy
+    import tempfile
+
+    peers = _peers_module()
+    log_dir = args.peers_log_dir or tempfile.mkdtemp(prefix="vsurge-peers-")
+    rows: list[tuple[str, dict[str, Any] | None, str]] = []
+    for peer in peers.discover(args, args.concurrency):
+        if isinstance(peer, peers.Skipped):
+            print(f"# {peer.name}: skipped: {peer.reason}", file=sys.stderr)
+            rows.append((peer.name, None, f"skipped: {peer.reason}"))
+            continue
+        print(f"# {peer.name}: starting: {' '.join(peer.argv)}", file=sys.stderr)
+        try:
+            with peers.running(peer, log_dir, args.ready_timeout) as (_, ready_s):
+                print(f"# {peer.name}: ready in {ready_s:.0f}s, running the workload", file=sys.stderr)
+                run_args = copy.copy(args)
+                run_args.base_url, run_args.model_name, run_args.api_key = peer.base_url, None, None
+                results, duration = asyncio.run(http_run(run_args, jobs))
+        except peers.PeerFailed as e:
+            print(f"# {e}", file=sys.stderr)
+            rows.append((peer.name, None, str(e).splitlines()[0][:200]))
+            continue
+        summary = summarize(results, duration)
+        print(f"== {peer.name} ==\n{_fmt(summary)}", file=sys.stderr)
+        note = f"ready in {ready_s:.0f}s"
+        if summary["failed"]:
+            note += f"; errors: {summary['errors'][:1]}"
+        rows.append((peer.name, summary, note))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -442,15 +572,78 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=32, help="max concurrent decodes (in-process / compare)")
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--prefill-lengths", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    # presets and peers
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a named workload; sets requests, concurrency, lengths, endpoint, ignore_eos, temperature "
+        "(--concurrency still overrides). "
+        + "; ".join(f"{k}: {v.description}" for k, v in sorted(PRESETS.items())),
+    )
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="start each of --servers in turn on a free loopback port, run the workload, print one table",
+    )
+    p.add_argument(
+        "--servers",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        default=["vsurge-vdriver", "vsurge-odriver", "vllm", "llama.cpp"],
+        help="peers to run, in order (default: vsurge-vdriver,vsurge-odriver,vllm,llama.cpp)",
+    )
+    p.add_argument("--vllm", default=None, help="vllm executable (default: $VLLM_BIN, then PATH)")
+    p.add_argument(
+        "--llama-server", default=None, help="llama-server executable (default: $LLAMA_SERVER, then PATH)"
+    )
+    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: --model's, or the default)")
+    p.add_argument(
+        "--hf-model", default=None, help="HF directory for vLLM (default: made from the GGUF, cached)"
+    )
+    p.add_argument("--vsurge-args", default="", help="extra `vsurge serve` arguments (one string)")
+    p.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments (one string)")
+    p.add_argument("--llama-args", default="", help="extra `llama-server` arguments (one string)")
+    p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a peer may take to start")
+    p.add_argument("--peers-log-dir", default=None, help="where peers' logs go (default: a temp dir)")
     args = p.parse_args(argv)
+    if args.preset:
+        preset = PRESETS[args.preset]
+        args.num_requests = preset.num_requests
+        args.concurrency = args.concurrency or preset.concurrency
+        args.endpoint, args.ignore_eos, args.temperature = (
+            preset.endpoint,
+            preset.ignore_eos,
+            preset.temperature,
+        )
+        args.request_rate = None
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 32
     return args
 
 
+def workload(args: argparse.Namespace) -> list[Job]:
+    """The jobs of a run: the preset's (seeded by --seed), else --num-requests prompts of --prompt-words."""
+    if args.preset:
+        preset = PRESETS[args.preset]
+        return make_jobs(preset.num_requests, preset.prompt_tokens, preset.max_tokens, args.seed)
+    return as_jobs(make_prompts(args.num_requests, args.prompt_words, args.seed))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prompts = make_prompts(args.num_requests, args.prompt_words, args.seed)
+    prompts = workload(args)
+    if args.peers:
+        # SIGTERM unwinds like Ctrl-C, so the peer in flight is stopped (it runs in its own session)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        rows = peers_run(args, prompts)
+        if args.json:
+            print(json.dumps([{"server": n, "summary": s, "note": note} for n, s, note in rows], indent=2))
+        else:
+            print(
+                f"workload: {args.preset or 'custom'}, {len(prompts)} requests, {args.concurrency} in flight"
+            )
+            print(_peers_module().table(rows))
+        return 0 if any(s and s["completed"] for _, s, _ in rows) else 1
     if args.compare:
         result = compare(args, prompts)
         if args.json:
