@@ -32,8 +32,10 @@ from jax.sharding import PartitionSpec as P
 
 from ..engine_config import EngineConfig
 from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
+from ..models.pallas_sharded import configure as configure_attention
 from ..sampling_params import SamplingParams
-from .engine_base import EngineBase, constrain, decode_buckets, sampling_context
+from .engine_base import EngineBase, _doubling, constrain, decode_buckets, sampling_context
+from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
 from .paging import HBMPageManager, PagedAttentionCache
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
@@ -64,6 +66,28 @@ class SeqInputs(NamedTuple):
     prompt_mask: jax.Array  # bool[V]: tokens of the original prompt
     counts: jax.Array  # i32[V]: tokens generated before a preemption (zeros for a new request)
     step: jax.Array  # i32[]: the sampler step of the token sampled after this prefill
+
+
+# Prefill chunks one mixed step packs at most (more sequences per step would multiply the chunk walk's
+# work, each chunk's keys meeting every query of the step).
+STEP_SEQS = 4
+
+
+def step_token_buckets(budget: int, smallest: int = 32) -> list[int]:
+    """Prefill tokens a mixed step may carry: 0 (decode only) and powers of two up to the budget."""
+    return [0] + _doubling(min(smallest, budget), budget)
+
+
+def resolve_token_budget(budget: int | None, slots: int) -> int:
+    """Tokens per step (decode rows + chunk tokens): the given budget, else 256 or 2 x slots if more."""
+    if budget is None:
+        return max(256, 2 * slots)
+    if budget <= slots:
+        raise ValueError(
+            f"max_num_batched_tokens {budget} leaves no prefill tokens once {slots} slots decode: "
+            "raise it above max_concurrent_decodes"
+        )
+    return budget
 
 
 def page_buckets(max_length: int, page_size: int, smallest_tokens: int = 128) -> list[int]:
@@ -147,6 +171,8 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         cfg = model.config
         # the largest bucket is the largest chunk; longer prompts are prefilled in several chunks
         self._setup(model, processor, config)
+        # before the cache (the backend picks its layout); refuses kv heads that tp does not divide
+        configure_attention(config.attention, self.mesh, cfg, model.dtype)
         mesh, page_size, min_decode_tokens = self.mesh, config.page_size, config.min_decode_tokens
         num_top_logprobs = self.num_top_logprobs
         if storage is None:
@@ -204,6 +230,25 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             for n in self.page_buckets
         }
         self._sample = self._samplers(shardings)
+        # the mixed step (mixed_step.py): (decode rows, chunk tokens) programs, and seating after a chunk
+        self.token_budget = resolve_token_budget(config.max_num_batched_tokens, self.max_concurrent_decodes)
+        self.step_seqs = min(STEP_SEQS, self.max_concurrent_decodes)
+        self.step_tokens = step_token_buckets(self.token_budget)
+        self.step_rows = [0] + list(self.decode_rows)
+        self._mixed = {
+            (r, p): jax.jit(
+                partial(mixed_forward, self.graphdef, layout=self._layout(r, p), page_size=ps),
+                donate_argnums=(1,),
+            )
+            for r in self.step_rows
+            for p in self.step_tokens
+            if r or p
+        }
+        self._seat_chunk = jax.jit(
+            partial(seat_chunk, seat=partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings)),
+            donate_argnums=(0,),
+        )
+        self.legacy_programs = True  # compile() covers prefill_chunk/decode too (the drivers still use them)
         self.chunked = self._make_chunked()  # prompt logprobs only (prefill itself is paged)
         self._zeros_v: jax.Array | None = None
         self._spare: PagedState | None = None
@@ -229,6 +274,17 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             out += [(t, n) for n in self.page_buckets if n >= least]
             prev = t
         return out
+
+    def _layout(self, rows: int, tokens: int) -> MetaLayout:
+        return MetaLayout(rows, tokens, self.step_seqs, self.table_width)
+
+    def step_shape(self, num_rows: int, num_tokens: int) -> tuple[int, int]:
+        """The (rows, chunk tokens) program covering ``num_rows`` leading slots and ``num_tokens``."""
+        r = next((r for r in self.step_rows if r >= num_rows), None) if num_rows else 0
+        p = next((p for p in self.step_tokens if p >= num_tokens), None)
+        if r is None or p is None:
+            raise ValueError(f"no step program for {num_rows} rows and {num_tokens} chunk tokens")
+        return r, p
 
     # ------------------------------------------------------------------ state
     def _make_state_shardings(self) -> PagedState | None:
@@ -319,6 +375,42 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         pages, logits = fn(self.params, state.pages, state.tokens, state.positions, table)
         return self._sample[rows](state._replace(pages=pages), logits)
 
+    def step(
+        self,
+        state: PagedState,
+        table: jax.Array | np.ndarray,
+        active: np.ndarray,
+        chunks: Sequence[ChunkWork] = (),
+    ) -> tuple[PagedState, SampleResult | None, list[tuple[int, SampleResult]]]:
+        """One mixed step: a token for every slot marked in ``active`` (decoding, bool per leading slot)
+        and the prefill ``chunks`` (at most ``step_seqs``), in one forward.
+
+        Returns the state, the decode rows' result (one row per leading slot covered; None if none
+        decodes) and, per final chunk (by index in ``chunks``), the first token sampled after it; that
+        sequence is seated in its slot and decodes from the next step on.
+        """
+        num_rows = int(np.flatnonzero(active)[-1]) + 1 if np.any(active) else 0
+        rows, tokens = self.step_shape(num_rows, sum(len(c.tokens) for c in chunks))
+        mask = np.zeros(rows, np.int32)
+        mask[:num_rows] = active[:num_rows]
+        meta = pack_meta(self._layout(rows, tokens), chunks, mask)
+        fn = self._mixed[(rows, tokens)]
+        pages, dec_logits, pf_logits = fn(
+            self.params, state.pages, state.tokens, state.positions, table, meta
+        )
+        state, out = state._replace(pages=pages), None
+        if rows:
+            state, out = self._sample[rows](state, dec_logits)
+        firsts = []
+        for k, c in enumerate(chunks):
+            if c.final:
+                end = np.int32(c.start + len(c.tokens))
+                state, first = self._seat_chunk(
+                    state, pf_logits, np.int32(k), np.int32(c.slot), end, c.inputs
+                )
+                firsts.append((k, first))
+        return state, out, firsts
+
     # ------------------------------------------------------------------ warm-up
     def compile(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile every program a live request can hit; returns seconds.
@@ -339,13 +431,14 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         # committed to the device like the driver's table: jit keys on that, and a miss is a compile
         table = jax.device_put(np.zeros((self.max_concurrent_decodes, self.table_width), np.int32), rep)
         zero, logits = np.int32(0), jax.device_put(jnp.zeros((v,), jnp.float32), rep)
+        legacy = self.legacy_programs
         jobs = [
             (
                 f"prefill chunk {t} x {n} pages",
                 self._prefill[n],
                 (self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row),
             )
-            for t, n in self.prefill_shapes()
+            for t, n in (self.prefill_shapes() if legacy else [])
         ]
         jobs.append(("seat", self._seat, (state, logits, zero, zero, inputs)))
         jobs += [
@@ -354,8 +447,19 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
                 fn,
                 (self.params, state.pages, state.tokens, state.positions, table),
             )
-            for (r, n), fn in self._forward.items()
+            for (r, n), fn in (self._forward.items() if legacy else [])
         ]
+        metas = {rp: np.zeros(self._layout(*rp).size, np.int32) for rp in self._mixed}
+        jobs += [
+            (
+                f"step rows={r} + {p} chunk tokens",
+                fn,
+                (self.params, state.pages, state.tokens, state.positions, table, metas[(r, p)]),
+            )
+            for (r, p), fn in self._mixed.items()
+        ]
+        k_logits = jax.device_put(jnp.zeros((self.step_seqs, v), jnp.float32), rep)
+        jobs.append(("seat after a chunk", self._seat_chunk, (state, k_logits, zero, zero, zero, inputs)))
         jobs += [
             (f"sampler slots={r}", fn, (state, jax.device_put(jnp.zeros((r, v), jnp.float32), rep)))
             for r, fn in self._sample.items()
@@ -371,15 +475,24 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             for line in pool.map(build, jobs):
                 say(line)
-        for t, n in self.prefill_shapes():  # warm every program on the real state
+        for t, n in self.prefill_shapes() if legacy else []:  # warm every program on the real state
             pages, logits = self._prefill[n](
                 self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row
             )
             state = state._replace(pages=pages)
         state, first = self._seat(state, logits, zero, np.int32(1), inputs)
-        for (r, _n), fn in self._forward.items():
+        for (r, _n), fn in self._forward.items() if legacy else []:
             pages, logits = fn(self.params, state.pages, state.tokens, state.positions, table)
             state, out = self._sample[r](state._replace(pages=pages), logits)
+        for (r, p), fn in self._mixed.items():  # page rows all scratch: nothing real is written
+            pages, dec_logits, pf_logits = fn(
+                self.params, state.pages, state.tokens, state.positions, table, metas[(r, p)]
+            )
+            state = state._replace(pages=pages)
+            if r:
+                state, out = self._sample[r](state, dec_logits)
+            if p:
+                state, first = self._seat_chunk(state, pf_logits, zero, zero, zero, inputs)
         jax.block_until_ready((first, out))
         self.warm_chunked()
         self._spare = state

@@ -7,6 +7,9 @@ Pure Python over an HBMPageManager (no JAX), so its rules are tested on their ow
   so a new admission does not force an immediate preemption;
 * prefill runs in chunks of at most ``max_chunk`` tokens, oldest sequence first, about ``max_chunk`` tokens
   per engine step, so a long prompt never stalls decoding for long and is never truncated;
+* or, for the mixed step (`plan_step`): one token budget per step, as vLLM's scheduler has it. Every
+  decoding sequence takes one token of it; what is left goes to prefill chunks, oldest sequence first,
+  up to a few sequences per step (`plan_chunks`), so decode never waits for a whole prompt;
 * before each decode step every decoding sequence gets the page its next token goes to; when pages run
   out the youngest sequence (latest admitted) is preempted: its pages return and it is recomputed later,
   ahead of new arrivals. The oldest sequence can always proceed (a sequence of max_length fits in the
@@ -67,6 +70,19 @@ class Chunk:
     start: int
     length: int  # tokens in this chunk
     final: bool
+
+
+def plan_chunks(remaining: list[int], decoding: int, budget: int, max_seqs: int) -> list[int]:
+    """Chunk lengths for the prefilling sequences (``remaining``: prompt tokens left, oldest first) in a
+    step of ``budget`` tokens of which ``decoding`` go to decode rows: oldest first, each as much as is
+    left of the budget, at most ``max_seqs`` sequences. The sum never exceeds ``budget - decoding``."""
+    left, out = budget - decoding, []
+    for r in remaining[:max_seqs]:
+        if left <= 0 or r <= 0:
+            break
+        out.append(min(r, left))
+        left -= out[-1]
+    return out
 
 
 @dataclass
@@ -164,6 +180,22 @@ class PageScheduler:
             if budget <= 0:
                 break
         return out
+
+    def plan_step(self, budget: int, max_seqs: int) -> list[Chunk]:
+        """The prefill chunks of the next mixed step (see `plan_chunks`); their tokens count as dispatched."""
+        pre = sorted((s for s in self.slots if s is not None and not s.decoding), key=lambda s: s.order)
+        decoding = sum(1 for s in self.slots if s is not None and s.decoding)
+        lens = plan_chunks([len(s.tokens) - s.cursor for s in pre], decoding, budget, max_seqs)
+        out = []
+        for seq, n in zip(pre, lens, strict=False):
+            out.append(Chunk(seq, seq.cursor, n, seq.cursor + n == len(seq.tokens)))
+            seq.cursor += n
+        return out
+
+    def active_rows(self, rows: int | None = None) -> np.ndarray:
+        """bool per leading slot (through the highest decoding one): whether it decodes in the next step."""
+        rows = self.decode_rows() if rows is None else rows
+        return np.array([s is not None and s.decoding for s in self.slots[:rows]], bool)
 
     def row(self, seq: Seq) -> np.ndarray:
         """The sequence's page table padded with scratch to the table width."""

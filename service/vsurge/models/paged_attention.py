@@ -225,3 +225,191 @@ def _pallas(q, pages, kv_lens, table, window):
         sliding_window=window,
     )
     return out.reshape(s, t, h, d)
+
+
+# ---------------------------------------------------------------------------------------------- ragged
+# One flat batch of query tokens from several sequences (oEngine's mixed step): decode rows and prefill
+# chunks together, described as JAX's Pallas ragged paged attention kernel takes them, so on TPU the kernel
+# can run at the same call site:
+#   q [T, H, D]; kv_lens i32[S] (keys of each sequence after this step); page_indices i32[S, W];
+#   cu_q_lens i32[S + 1] (sequence s owns query tokens cu_q_lens[s]:cu_q_lens[s + 1]); num_seqs i32[1].
+# Sequence s's queries are its last q_len keys: query i of s sits at position kv_lens[s] - q_len + i.
+# Tokens past cu_q_lens[num_seqs] are padding (their K/V go to scratch, their output is never read).
+
+
+def ragged_token_layout(kv_lens, cu_q_lens, num_seqs, num_tokens: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(sequence, position) of each of ``num_tokens`` query tokens; padding gets sequence S, position -1."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    n = cu_q_lens.shape[0] - 1
+    live = jnp.arange(n) < num_seqs[0]
+    ends = jnp.where(live, cu_q_lens[1:], cu_q_lens[num_seqs[0]])
+    seg = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
+    s = jnp.minimum(seg, n - 1)
+    pos = kv_lens[s] - (cu_q_lens[s + 1] - t)
+    valid = seg < n
+    return jnp.where(valid, seg, n), jnp.where(valid, pos, -1)
+
+
+def ragged_kv_slots(page_indices, seg, pos, page_size: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(page id, offset) where each token's K/V goes; padding and negative positions go to scratch."""
+    s = jnp.minimum(seg, page_indices.shape[0] - 1)
+    return page_slots(page_indices[s], pos, page_size, (seg < page_indices.shape[0]) & (pos >= 0))
+
+
+def _walk_blocks(width: int, page_size: int) -> tuple[int, int]:
+    blk = _block_pages(width, page_size)
+    return blk, blk * page_size
+
+
+def decode_rows_over_pages(q, cache, view, kv_lens, page_size: int, window: int | None) -> jnp.ndarray:
+    """q [S, H, D], one query per row at position kv_lens - 1, over the pages in view [S, W].
+
+    The page walk of `decode_over_pages`, with the number of blocks read at run time (the longest row's),
+    so one program serves every context length. Rows with kv_len 0 are idle: their output is zeros.
+    """
+    s, h, d = q.shape
+    kvh = cache[0].shape[2] if isinstance(cache, tuple) else cache.shape[2] // 2
+    g = h // kvh
+    blk, n = _walk_blocks(view.shape[1], page_size)
+    qg = q.reshape(s, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+    positions = kv_lens - 1
+
+    def body(j, carry):
+        m, denom, acc = carry
+        ks, vs = gather_kv(cache, jax.lax.dynamic_slice_in_dim(view, j * blk, blk, axis=1))
+        ks, vs = ks.astype(jnp.float32), vs.astype(jnp.float32)  # [S, n, KVH, D]
+        scores = jnp.sum(qg[:, None] * ks[:, :, :, None, :], axis=-1)  # [S, n, KVH, G]
+        ok = _mask(positions[:, None], j * n + jnp.arange(n)[None, :], window)[:, :, None, None]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(ok, scores, _NEG), axis=1))
+        p = jnp.where(ok, jnp.exp(scores - m_new[:, None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        denom = denom * corr + jnp.sum(p, axis=1)
+        acc = acc * corr[..., None] + jnp.sum(p[..., None] * vs[:, :, :, None, :], axis=1)
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((s, kvh, g), _NEG, jnp.float32),
+        jnp.zeros((s, kvh, g), jnp.float32),
+        jnp.zeros((s, kvh, g, d), jnp.float32),
+    )
+    blocks = jnp.minimum(-(-jnp.max(kv_lens, initial=0) // n), view.shape[1] // blk)
+    _, denom, acc = jax.lax.fori_loop(0, blocks, body, init)
+    return (acc / jnp.maximum(denom, 1e-30)[..., None]).reshape(s, h, d).astype(q.dtype)
+
+
+def chunks_over_pages(q, cache, rows, kv_lens, seg, pos, num_seqs, page_size: int, window: int | None):
+    """q [P, H, D]: the tokens of up to K prefill chunks (token i belongs to chunk seg[i], at pos[i]) over
+    their sequences' pages rows [K, W] (a cached prefix, earlier chunks and the chunk itself).
+
+    A walk, chunk by chunk and block by block (both counts read at run time), with an online softmax:
+    each block is one sequence's keys against all P queries, masked to that sequence's tokens, so no
+    per-token copy of a context is made and the work is P x (keys of the chunks' sequences).
+    """
+    p_, h, d = q.shape
+    kvh = cache[0].shape[2] if isinstance(cache, tuple) else cache.shape[2] // 2
+    g = h // kvh
+    blk, n = _walk_blocks(rows.shape[1], page_size)
+    qg = q.reshape(p_, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+
+    def seq_body(s, carry):
+        row, kv_len = rows[s], kv_lens[s]
+        mine = seg == s
+
+        def body(j, carry):
+            m, denom, acc = carry
+            ks, vs = gather_kv(cache, jax.lax.dynamic_slice_in_dim(row, j * blk, blk))
+            scores = jnp.einsum("pkgd,nkd->pkgn", qg, ks.astype(jnp.float32))
+            k_pos = j * n + jnp.arange(n)
+            ok = mine[:, None] & _mask(pos[:, None], k_pos[None, :], window) & (k_pos < kv_len)[None, :]
+            ok = ok[:, None, None, :]
+            m_new = jnp.maximum(m, jnp.max(jnp.where(ok, scores, _NEG), axis=-1))
+            pr = jnp.where(ok, jnp.exp(scores - m_new[..., None]), 0.0)
+            corr = jnp.exp(m - m_new)
+            denom = denom * corr + jnp.sum(pr, axis=-1)
+            acc = acc * corr[..., None] + jnp.einsum("pkgn,nkd->pkgd", pr, vs.astype(jnp.float32))
+            return m_new, denom, acc
+
+        blocks = jnp.minimum(-(-kv_len // n), rows.shape[1] // blk)
+        return jax.lax.fori_loop(0, blocks, body, carry)
+
+    init = (
+        jnp.full((p_, kvh, g), _NEG, jnp.float32),
+        jnp.zeros((p_, kvh, g), jnp.float32),
+        jnp.zeros((p_, kvh, g, d), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(0, jnp.minimum(num_seqs, rows.shape[0]), seq_body, init)
+    return (acc / jnp.maximum(denom, 1e-30)[..., None]).reshape(p_, h, d).astype(q.dtype)
+
+
+def ragged_paged_attention_xla(
+    q,
+    cache,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    page_size: int,
+    num_decode: int = 0,
+    window: int | None = None,
+) -> jnp.ndarray:
+    """Ragged paged attention in plain JAX (XLA:CPU/GPU), the kernel's inputs (see above), pages written.
+
+    ``num_decode`` (static) says the first num_decode sequences are decode rows, one query each in tokens
+    [0, num_decode): they go through the batched page walk; every other sequence through the chunk walk.
+    With num_decode=0 everything takes the chunk walk (same result, slower for decode rows).
+    """
+    t = q.shape[0]
+    r = num_decode
+    seg, pos = ragged_token_layout(kv_lens, cu_q_lens, num_seqs, t)
+    parts = []
+    if r:
+        parts.append(decode_rows_over_pages(q[:r], cache, page_indices[:r], kv_lens[:r], page_size, window))
+    if t > r:
+        parts.append(
+            chunks_over_pages(
+                q[r:],
+                cache,
+                page_indices[r:],
+                kv_lens[r:],
+                seg[r:] - r,
+                pos[r:],
+                num_seqs[0] - r,
+                page_size,
+                window,
+            )
+        )
+    return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedRaggedAttention:
+    """Decode rows and prefill chunks of several sequences in one flat batch (oEngine's mixed step).
+
+    meta: (kv_lens i32[S], page_indices i32[S, W], cu_q_lens i32[S + 1], num_seqs i32[1]) as the ragged
+    kernel takes them; q arrives as [1, T, H, D]. The tokens' K/V are written into their pages first, then
+    read back with everything before them. ``num_decode``: see `ragged_paged_attention_xla`.
+    """
+
+    page_size: int
+    num_decode: int = 0
+    window: int | None = None
+
+    def __call__(self, q, k, v, cache, meta):
+        kv_lens, page_indices, cu_q_lens, num_seqs = meta
+        t = q.shape[1]
+        seg, pos = ragged_token_layout(kv_lens, cu_q_lens, num_seqs, t)
+        page, off = ragged_kv_slots(page_indices, seg, pos, self.page_size)
+        cache = write_kv(cache, k[0], v[0], page, off)
+        out = ragged_paged_attention_xla(
+            q[0],
+            cache,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            page_size=self.page_size,
+            num_decode=self.num_decode,
+            window=self.window,
+        )
+        return out[None], cache
