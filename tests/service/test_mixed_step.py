@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,7 +128,6 @@ def engine(tiny):
         max_num_batched_tokens=24,
         enable_prefix_caching=False,
     )
-    eng.legacy_programs = False
     eng.compile(progress=lambda _: None)
     return eng
 
@@ -183,12 +184,121 @@ def _serve(eng: oEngine, prompts, max_tokens: int, arrive_at):
     return [out[i] for i in range(len(prompts))], overlapped
 
 
-def test_mixed_step_greedy_equals_single_request_generation(engine, tiny):
-    model, _ = tiny
-    rng = np.random.default_rng(3)
-    lens = [5, 61, 17, 3, 40, 9]  # 61 and 40 take several steps of a 24-token budget
-    prompts = [list(rng.integers(3, model.config.vocab_size, size=n)) for n in lens]
-    got, overlapped = _serve(engine, prompts, 6, arrive_at=[0, 0, 1, 3, 4, 9])
-    ref = greedy_generate(model, prompts, 6)
-    assert got == ref
+# prompts of mixed lengths: 70 and 90 take several steps of a 24-token budget, short ones pack together
+SIZES = [3, 70, 12, 45, 1, 30, 90, 8]
+MAX_NEW = 11
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(7)
+    return [list(rng.integers(3, 300, size=n)) for n in SIZES]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny, prompts):
+    """Single-request greedy generation (one padded batch, which never changes a row's result)."""
+    return greedy_generate(tiny[0], prompts, MAX_NEW)
+
+
+def test_mixed_step_greedy_equals_single_request_generation(engine, prompts, expected):
+    got, overlapped = _serve(engine, prompts, MAX_NEW, arrive_at=[0, 0, 1, 3, 4, 9, 9, 12])
+    assert got == expected
     assert overlapped > 0  # decode rows stepped while a long prompt was still being prefilled
+
+
+# ------------------------------------------------------------------------------------------ driver
+@pytest.fixture(scope="module")
+def surge(engine):
+    """oDriver over the module's engine (its programs are compiled once); after the engine-level tests."""
+    from vsurge.drivers.odriver import oDriver
+    from vsurge.surge import vSurge
+
+    s = vSurge(oDriver(engine))
+    s.start()
+    yield s
+    s.stop()
+
+
+_HOOKS: list = []  # called with each step's chunks once it is dispatched (a test's probe)
+
+
+@pytest.fixture
+def steps(surge, monkeypatch):
+    """Every mixed step the driver dispatches: (decode rows, [(chunk start, length, final)])."""
+    eng, seen = surge.driver.engine, []
+    real = eng.step
+
+    def watched(state, table, active, chunks=()):
+        seen.append((int(np.sum(active)), [(c.start, len(c.tokens), c.final) for c in chunks]))
+        out = real(state, table, active, chunks)
+        for hook in _HOOKS:
+            hook(chunks)
+        return out
+
+    monkeypatch.setattr(eng, "step", watched)
+    yield seen
+    deadline = time.time() + 5
+    while surge.driver.num_used_slots and time.time() < deadline:
+        time.sleep(0.01)
+    m = eng.manager
+    assert surge.driver.num_used_slots == 0 and m.num_free == m.num_pages, "slots or pages leaked"
+    m.check()
+    assert all(rows + sum(n for _, n, _ in chunks) <= eng.token_budget for rows, chunks in seen)
+
+
+def _request(ids, max_tokens: int):
+    from vsurge.request import vSurgeRequest
+
+    return vSurgeRequest(
+        prompt=[int(t) for t in ids],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        is_client_side_tokenization=True,
+    )
+
+
+def _tokens(active) -> list[int]:
+    return [t for items in active.channel for s in items for t in s.token_ids]
+
+
+def test_driver_arriving_requests_match_reference(surge, steps, prompts, expected):
+    lengths = [int(n) for n in np.random.default_rng(8).integers(1, MAX_NEW + 1, size=len(prompts))]
+    reqs = []
+    for p, n in zip(prompts, lengths, strict=True):
+        reqs.append(surge.submit(_request(p, n)))
+        time.sleep(0.02)  # requests join a batch that is already decoding and prefilling
+    assert [_tokens(r) for r in reqs] == [row[:n] for row, n in zip(expected, lengths, strict=True)]
+    assert any(len(chunks) > 1 for _, chunks in steps)  # prompts were packed into one step
+
+
+def test_driver_decodes_while_a_long_prompt_is_prefilled(surge, steps):
+    short = surge.submit(_request([5, 6, 7], 40))
+    it = iter(short.channel)
+    next(it)  # decoding now
+    long = surge.submit(_request(list(np.arange(100) % 200 + 3), 2))
+    assert len(_tokens(long)) == 2
+    list(it)
+    # the 100-token prompt takes several steps of a 24-token budget, and the short request decodes in them
+    mixed = [rows for rows, chunks in steps if rows and any(not final for _, _, final in chunks)]
+    assert len(mixed) >= 3, steps
+
+
+def test_driver_cancel_mid_prefill_frees_everything(surge, steps):
+    prompt = list(np.arange(110) % 250 + 3)
+    holder = []
+
+    def cancel_after_first_chunk(chunks):
+        if holder and any(c.start == 0 and not c.final and c.tokens[0] == prompt[0] for c in chunks):
+            holder[0].cancel()  # its first chunk is written, four more are to come
+
+    _HOOKS.append(cancel_after_first_chunk)
+    try:
+        holder.append(surge.submit(_request(prompt, 5)))
+        reasons = [x.finish_reason for items in holder[0].channel for x in items if x.finish_reason]
+    finally:
+        _HOOKS.clear()
+    assert reasons == ["abort"]
+    assert not any(final for _, chunks in steps for _, _, final in chunks)  # its prefill never ended
+    # the `steps` fixture checks that no slot and no page is left behind

@@ -245,14 +245,14 @@ def test_failed_requests_fail_alone(surge, monkeypatch):
         list(bad_id.channel)
     assert len(tokens_of(good)) == 8
 
-    real = eng.prefill_chunk
+    real = eng.step
 
-    def flaky(state, inputs, tokens, *a, **kw):
-        if tokens[0] == 299:
+    def flaky(state, table, active, chunks=()):
+        if any(c.start == 0 and c.tokens[0] == 299 for c in chunks):
             raise RuntimeError("device said no")
-        return real(state, inputs, tokens, *a, **kw)
+        return real(state, table, active, chunks)
 
-    monkeypatch.setattr(eng, "prefill_chunk", flaky)
+    monkeypatch.setattr(eng, "step", flaky)
     doomed = surge.submit(ids_request([299] + list(range(3, 50)), 5, n=2))
     fine = surge.submit(ids_request([7, 8, 9], 6))
     with pytest.raises(RequestFailedError, match="device said no"):

@@ -8,10 +8,11 @@
 The queues, threads, request lifecycle and detokenizer are the pipeline's (pipeline.py). What is oDriver's
 own: the prepare thread does the host work of a new request off the step thread (prefix keys of its pages,
 the device inputs of its sampler), and ``PagedSteps`` plans each step over the pages. The step thread owns
-the paged cache and every device step, so chunked prefill and decode never race for the pages: each loop
-admits waiting sequences whose pages fit, runs about one largest bucket of prefill chunks, gives decoding
-sequences their next page (preempting the youngest when pages run out), and dispatches decode step n+1
-before step n's tokens are read.
+the paged cache and every device step, so prefill and decode never race for the pages: each loop admits
+waiting sequences whose pages fit, gives decoding sequences their next page (preempting the youngest when
+pages run out), and dispatches one mixed step (engines/mixed_step.py): every decoding row plus prefill
+chunks of up to a few sequences within the token budget (``max_num_batched_tokens``), so decode never
+waits for a whole prompt. Step n+1 is dispatched before step n's tokens are read.
 
 A preempted sequence's tokens are known only to the detokenize thread (the device runs ahead), so the step
 thread hands it there after every step that included it; the detokenizer, which then has every token the
@@ -30,6 +31,7 @@ import jax
 import numpy as np
 
 from ..engine_config import EngineConfig
+from ..engines.mixed_step import ChunkWork
 from ..engines.oengine import oEngine
 from ..engines.page_scheduler import Chunk, PageScheduler, Seq
 from ..engines.paging import page_hashes
@@ -53,6 +55,9 @@ class PagedSteps:
         self.requeue: queue.SimpleQueue[Seq] = driver._requeue
         self._table: jax.Array | None = None  # the page table on the device, re-sent when it changes
         self._version = -1
+        self._loop: StepLoop | None = None
+        self._chunks: list[Chunk] = []  # planned for the next step
+        self._firsts: list[tuple[Chunk, Any]] = []  # final chunks of the step just dispatched
 
     # ------------------------------------------------------------------ Stepper
     def init_state(self) -> Any:
@@ -63,29 +68,83 @@ class PagedSteps:
         self._drop_ended(loop)
         idle = sched.num_used_slots == 0 and not sched.waiting
         self._take_arrivals(wait=0.05 if idle and loop.pending is None else 0.0)
+        self._loop = loop
         sched.admit()
-        for chunk in sched.plan_prefill():
-            state = self._run_chunk(state, chunk, loop)
         preempted = sched.grow() if sched.any_decoding() else []
         if preempted or not sched.any_decoding():
             loop.flush()  # everything a preempted sequence produced goes out before its Preempt
             self._preempted(preempted, loop)
-        return state, sched.any_decoding()
+        self._chunks = sched.plan_step(self.engine.token_budget, self.engine.step_seqs)
+        if sched.any_decoding():
+            return state, True  # the pipeline dispatches the step (decode rows + these chunks)
+        if self._chunks:  # prefill only: no decode rows, so no tokens for the pipeline to hand on
+            try:
+                state, _, _ = self._dispatch(state, np.zeros(0, bool))
+            except Exception as e:
+                log.exception("prefill step failed")
+                return self.lose_state(f"prefill failed: {e}"), False
+            self._seat_finals(loop)
+        return state, False
 
     def step(self, state: Any) -> tuple[Any, Any, list[Seq | None]]:
-        sched, eng = self.sched, self.engine
-        if self._version != sched.table_version:
-            self._version = sched.table_version
-            self._table = jax.device_put(sched.table.copy(), eng._replicated())
-        state, out = eng.decode(state, self._table, sched.decode_rows(), sched.decode_tokens())
-        return state, out, sched.decoding(out.tokens.shape[0])
+        sched = self.sched
+        active = sched.active_rows()
+        state, out, rows = self._dispatch(state, active)
+        if out is None:  # the chunks failed alone and no decode row was left: a decode-only step
+            state, out, rows = self._dispatch(state, active)
+        return state, out, sched.decoding(rows)
 
     def stepped(self) -> None:
         self.sched.stepped()  # sequences whose last token this was are released now
+        if self._loop is not None:
+            self._seat_finals(self._loop)
+
+    def _dispatch(self, state: Any, active: np.ndarray) -> tuple[Any, Any, int]:
+        """One mixed step of the planned chunks and the ``active`` decode rows: (state, decode result or
+        None, rows it covered). A failure that left the state intact fails the chunks' requests alone."""
+        sched, eng = self.sched, self.engine
+        chunks, self._chunks = [c for c in self._chunks if sched.holds(c.seq)], []
+        if self._version != sched.table_version:
+            self._version = sched.table_version
+            self._table = jax.device_put(sched.table.copy(), eng._replicated())
+        now = time.time()
+        work = []
+        for c in chunks:
+            seq = c.seq
+            if seq.req.metadata.prefill_started_at is None:
+                seq.req.metadata.prefill_started_at = now
+            tokens = seq.tokens[c.start : c.start + c.length]
+            work.append(ChunkWork(tokens, c.start, sched.row(seq), seq.slot, seq.inputs if c.final else None))
+        try:
+            state, out, firsts = eng.step(state, self._table, active, work)
+        except Exception as e:
+            if not chunks or any(x.is_deleted() for x in jax.tree.leaves(state)):
+                raise  # the pipeline fails everything running and restarts the cache
+            log.exception("prefill step failed")
+            for c in chunks:
+                sched.release(c.seq)
+                self.pipeline.fail(c.seq.req, f"prefill failed: {e}")
+                c.seq.req.cancel()  # frees its other samples on the next loop
+            return state, None, 0
+        for c in chunks:
+            sched.written(c.seq, c.start + c.length)
+        self._firsts = [(chunks[k], first) for k, first in firsts]
+        return state, out, 0 if out is None else out.tokens.shape[0]
+
+    def _seat_finals(self, loop: StepLoop) -> None:
+        """Sequences whose final chunk went out in the last step: their first token, then decoding."""
+        firsts, self._firsts = self._firsts, []
+        now = time.time()
+        for chunk, first in firsts:
+            seq = chunk.seq
+            seq.req.metadata.prefill_done_at = now
+            loop.send(FirstToken(seq, first))
+            if not self.sched.start_decoding(seq):
+                self.sched.release(seq)  # its first token was its last
 
     def lose_state(self, reason: str) -> Any:
         """A device step consumed the state and failed: every running sequence fails, the cache restarts."""
-        self._version = -1
+        self._version, self._chunks, self._firsts = -1, [], []
         for seq in self.sched.reset():
             self.pipeline.fail(seq.req, reason)
             seq.req.cancel()
@@ -123,33 +182,6 @@ class PagedSteps:
             aborted[id(seq.req)] = seq.req
         for req in aborted.values():
             loop.send(Abort(req))
-
-    def _run_chunk(self, state: Any, chunk: Chunk, loop: StepLoop) -> Any:
-        sched, seq = self.sched, chunk.seq
-        if not sched.holds(seq):
-            return state  # an earlier chunk of it failed
-        md = seq.req.metadata
-        if md.prefill_started_at is None:
-            md.prefill_started_at = time.time()
-        try:
-            state, first = self.engine.prefill_chunk(
-                state, seq.inputs, seq.tokens, chunk.start, chunk.length, sched.row(seq), seq.slot
-            )
-        except Exception as e:
-            log.exception("prefill chunk failed")
-            if any(x.is_deleted() for x in jax.tree.leaves(state)):
-                return self.lose_state(f"prefill failed: {e}")
-            sched.release(seq)
-            self.pipeline.fail(seq.req, f"prefill failed: {e}")
-            seq.req.cancel()  # frees its other samples on the next loop
-            return state
-        sched.written(seq, chunk.start + chunk.length)
-        if chunk.final:
-            md.prefill_done_at = time.time()
-            loop.send(FirstToken(seq, first))
-            if not sched.start_decoding(seq):
-                sched.release(seq)  # its first token was its last
-        return state
 
     def _preempted(self, seqs: list[Seq], loop: StepLoop) -> None:
         for seq in seqs:

@@ -233,7 +233,8 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         # the mixed step (mixed_step.py): (decode rows, chunk tokens) programs, and seating after a chunk
         self.token_budget = resolve_token_budget(config.max_num_batched_tokens, self.max_concurrent_decodes)
         self.step_seqs = min(STEP_SEQS, self.max_concurrent_decodes)
-        self.step_tokens = step_token_buckets(self.token_budget)
+        # a step's chunk tokens never exceed the budget, nor usefully max_length (one prompt's worth)
+        self.step_tokens = step_token_buckets(min(self.token_budget, self.max_length))
         self.step_rows = [0] + list(self.decode_rows)
         self._mixed = {
             (r, p): jax.jit(
@@ -248,7 +249,9 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             partial(seat_chunk, seat=partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings)),
             donate_argnums=(0,),
         )
-        self.legacy_programs = True  # compile() covers prefill_chunk/decode too (the drivers still use them)
+        # compile() also covers prefill_chunk/decode when set (oDriver runs only the mixed step; the
+        # per-sequence programs stay for direct use and compile on first call)
+        self.legacy_programs = False
         self.chunked = self._make_chunked()  # prompt logprobs only (prefill itself is paged)
         self._zeros_v: jax.Array | None = None
         self._spare: PagedState | None = None
