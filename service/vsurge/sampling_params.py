@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "InvalidSamplingParams",
@@ -89,6 +90,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM: logprobs of the prompt tokens (None: off; k >= 0: each prompt token's own plus the top k)
     prompt_logprobs: int | None = None
+    # structured output: a compiled grammar (vsurge.structured.CompiledGrammar) the output must match
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         # OpenAI accepts `stop: "x"`; keep one representation downstream.

@@ -177,6 +177,16 @@ class vSurge:  # noqa: N801 - the seed's name
     def eos_token_ids(self) -> list[int]:
         return self._engine.eos_token_ids
 
+    @property
+    def supports_structured_output(self) -> bool:
+        """The driver applies token masks (response_format, structured_outputs, tool grammars)."""
+        return bool(getattr(self._driver, "supports_structured_output", False))
+
+    def warm_structured(self) -> float:
+        """Compile the structured-output programs now (otherwise the first constrained request has them
+        compiled on a background thread, and waits); seconds taken."""
+        return sum(e.warm_structured() for e in self._driver.engines if hasattr(e, "warm_structured"))
+
     # ------------------------------------------------------------------ lifecycle
     def compile(self, progress: Callable[[str], None] | None = None) -> float:
         t0 = time.perf_counter()

@@ -71,7 +71,13 @@ def constrain(state: Any, shardings: Any) -> Any:
 
 
 def sample_step(
-    state: Any, logits: jax.Array, token_mask: jax.Array | None = None, *, rows: int, num_top: int, shardings: Any
+    state: Any,
+    logits: jax.Array,
+    token_mask: jax.Array | None = None,
+    *,
+    rows: int,
+    num_top: int,
+    shardings: Any,
 ):
     """Sample the first `rows` slots and advance them (tokens, positions, steps, penalty counts).
 

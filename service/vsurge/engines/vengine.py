@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -98,19 +99,32 @@ def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab
     return Prefix(kv, hidden, starts, lengths, mask, sampling)
 
 
+def _spec(a: Any) -> Any:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+
+
 def _entry(rows: SlotSampling, j, key) -> SlotSampling:
     return SlotSampling(*(a[j][None] for a in rows))._replace(key=key[None])
 
 
-def _first_impl(graphdef, params, hidden, rows, prompt_mask, j, key, *, num_top: int, logits_sharding):
-    """Sample entry j's first token from its last hidden state (one program for every bucket)."""
+def _first_impl(
+    graphdef, params, hidden, rows, prompt_mask, j, key, token_mask=None, *, num_top: int, logits_sharding
+):
+    """Sample entry j's first token from its last hidden state (one program for every bucket);
+    ``token_mask`` (i32[1, ceil(V/32)]): a structured request's first allowed tokens."""
     model = nnx.merge(graphdef, params)
     logits = model.compute_logits(hidden[j][None])
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     with sharded_sampling() if logits_sharding is not None else contextlib.nullcontext():
         return sample(
-            logits, _entry(rows, j, key), None, prompt_mask[j][None], jnp.zeros((1,), jnp.int32), num_top
+            logits,
+            _entry(rows, j, key),
+            None,
+            prompt_mask[j][None],
+            jnp.zeros((1,), jnp.int32),
+            num_top,
+            token_mask=token_mask,
         )
 
 
@@ -149,6 +163,13 @@ def _decode_impl(
     """One step over the first `rows` slots (slots are handed out lowest first): the model, reading the
     first `limit` cache positions (the longest live sequence + 1; idle slots keep stale positions), then
     the sampler. One program, so the logits never leave it (~7% of a 32-row step when they did)."""
+    state, logits = _forward_impl(graphdef, params, state, limit, rows=rows, logits_sharding=logits_sharding)
+    return sample_step(state, logits, rows=rows, num_top=num_top, shardings=shardings)
+
+
+def _forward_impl(graphdef, params, state: GenerationState, limit, *, rows: int, logits_sharding):
+    """The model half of a decode step: (state with the new KV, logits f32[rows, V]). Structured output
+    runs it apart from the sampler, so the host fills the token mask while the device runs the model."""
     model = nnx.merge(graphdef, params)
     backend = DenseDecodeAttention(window=model.config.sliding_window)
     pos = state.positions[:rows]
@@ -156,8 +177,7 @@ def _decode_impl(
     logits = model.compute_logits(hidden[:, 0])
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    state = state._replace(caches=tuple(tuple(c) for c in caches))
-    return sample_step(state, logits, rows=rows, num_top=num_top, shardings=shardings)
+    return state._replace(caches=tuple(tuple(c) for c in caches)), logits
 
 
 class vEngine(EngineBase):  # noqa: N801 - the seed's name
@@ -197,6 +217,17 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             )
             for rows in self.decode_rows
         }
+        # structured output's split step: the model, then the sampler with the token mask (per row count)
+        self._forward = {
+            rows: jax.jit(
+                partial(_forward_impl, self.graphdef, rows=rows, logits_sharding=logits_sharding),
+                donate_argnums=(1,),
+            )
+            for rows in self.decode_rows
+        }
+        self._sample_masked = self._samplers(self._state_shardings)
+        self._specs: Any = None  # (state, prefix) shapes, from compile()
+        self.structured_ready = threading.Event()  # warm_structured has run
         self._zeros = None
         self.chunked = self._make_chunked()
         self._long_prefix = jax.jit(
@@ -353,14 +384,16 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         key: np.ndarray | None = None,
         index: int = 0,
         length: int | None = None,
+        token_mask: np.ndarray | None = None,
     ):
         """Put entry `index` of a prefix into `slot`; returns (state, first token SampleResult[1]).
         key: u32[2] per sample (default: the entry's own); length: the prompt's length when the caller
-        knows it (saves a read from the device)."""
+        knows it (saves a read from the device); token_mask: i32[1, ceil(V/32)] of a structured request."""
         j = np.int32(index)
         # always a host array: a device array here is another jit signature, i.e. a compile on a live request
         key = np.asarray(prefix.sampling.key[index] if key is None else key, np.uint32)
-        first = self._first(self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, j, key)
+        masked = () if token_mask is None else (np.asarray(token_mask, np.int32).reshape(1, -1),)
+        first = self._first(self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, j, key, *masked)
         state = self._insert(prefix, decode_state, j, np.int32(slot), key, first.tokens[0])
         self._pos[slot] = int(prefix.lengths[index]) if length is None else length
         self._active[slot] = True
@@ -374,12 +407,14 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         keys=None,
         index: int = 0,
         length: int | None = None,
+        token_masks: Sequence[np.ndarray | None] | None = None,
     ):
         """Insert entry `index` of a prefix into several slots (n samples sharing one prefill)."""
         firsts = []
         for i, slot in enumerate(slots):
             key = None if keys is None else keys[i]
-            decode_state, first = self.insert(prefix, decode_state, slot, key, index, length)
+            mask = None if token_masks is None else token_masks[i]
+            decode_state, first = self.insert(prefix, decode_state, slot, key, index, length, mask)
             firsts.append(first)
         return decode_state, firsts
 
@@ -393,6 +428,25 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         state, out = self._decode[rows](self.params, decode_state, limit)
         self._pos[live] += 1
         return state, out
+
+    def decode_logits(self, decode_state: GenerationState) -> tuple[GenerationState, jax.Array]:
+        """The first half of a structured step: dispatch the model over the live rows, as `decode` would,
+        and return the logits (rows of the bucket) for `decode_sample`."""
+        live = np.flatnonzero(self._active)
+        need_rows = int(live[-1]) + 1 if live.size else 1
+        limit = np.int32(self._pos[live].max() + 1 if live.size else 1)
+        rows = next((r for r in self.decode_rows if r >= need_rows), self.max_concurrent_decodes)
+        state, logits = self._forward[rows](self.params, decode_state, limit)
+        self._pos[live] += 1
+        return state, logits
+
+    def decode_sample(
+        self, decode_state: GenerationState, logits: jax.Array, token_mask: np.ndarray
+    ) -> tuple[GenerationState, SampleResult]:
+        """The second half: sample the rows of `decode_logits` under the packed token mask
+        (i32[>= rows, ceil(V/32)] host array; unconstrained rows all ones)."""
+        rows = logits.shape[0]
+        return self._sample_masked[rows](decode_state, logits, np.ascontiguousarray(token_mask[:rows]))
 
     def free_resource(self, slot: int) -> bool:
         """Release a slot: it stops counting toward the decode bucket. Its row is overwritten on insert."""
@@ -439,8 +493,43 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         for fn in self._decode.values():
             state, out = fn(self.params, state, np.int32(1))
         jax.block_until_ready(out)
+        # shapes for warm_structured, which may run later on another thread
+        self._specs = jax.tree.map(_spec, (state, self.prefill([1], greedy[0])))
         self.free_resource(0)
         del state
         self.compiled = True
         say(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.1f}s")
+        return time.perf_counter() - t0
+
+    def warm_structured(self, progress: Callable[[str], None] | None = None) -> float:
+        """Compile what structured output adds: the split step (model, then the masked sampler) per row
+        count and the masked first token. Not part of `compile`: only an engine that serves a constrained
+        request pays for them, on a background thread (the driver holds constrained requests until this
+        returns; other requests go on). Lowered from shapes, so it never touches the live state."""
+        say = progress or log.info
+        t0 = time.perf_counter()
+        if self._specs is not None:
+            state, prefix = self._specs
+            v = self.config.vocab_size
+            mask_spec = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+            words = -(-v // 32)
+            jobs = [
+                (f"forward slots={r}", fn, (self.params, state, np.int32(1)))
+                for r, fn in self._forward.items()
+            ]
+            jobs += [
+                (
+                    f"masked sampler slots={r}",
+                    fn,
+                    (state, jax.ShapeDtypeStruct((r, v), jnp.float32), mask_spec((r, words))),
+                )
+                for r, fn in self._sample_masked.items()
+            ]
+            key = np.zeros(2, np.uint32)
+            first_args = (self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, np.int32(0), key)
+            jobs.append(("masked first token", self._first, (*first_args, mask_spec((1, words)))))
+            with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                list(pool.map(lambda job: job[1].lower(*job[2]).compile(), jobs))
+        self.structured_ready.set()
+        say(f"compiled the structured-output programs in {time.perf_counter() - t0:.1f}s")
         return time.perf_counter() - t0

@@ -117,7 +117,7 @@ class GrammarCompiler:
         fut = self._pool.submit(self.compile, spec)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise GrammarError(
                 f"the grammar took longer than {self.timeout_s:g}s to compile; simplify it", spec.param
             ) from None
