@@ -1,0 +1,175 @@
+"""The verify step of n-gram speculative decoding on vEngine's dense cache: K+1 tokens per row, one call.
+
+Each row feeds its last accepted token followed by its K draft tokens (`speculative.propose_ngram`); the
+model scores the K+1 positions against the row's cache in one batched forward (`DenseVerifyAttention`),
+and `speculative.verify` keeps the accepted prefix plus one target token. The state then advances by the
+number of tokens each row emitted: its next input token, position, step counter and penalty counts.
+KV written for rejected draft positions stays in the cache past the row's position, where nothing reads
+it: the next step overwrites a position before any query may attend to it (the dense cache's rule).
+
+Rows whose sampling the verification does not model exactly (penalties, logit_bias / allowed ids, top_k,
+top_p, min_p, min_tokens, structured output) must get ``num_draft = 0``: their token at position 0 then
+comes from the engine's own sampler on the same logits, so they decode exactly as without speculation.
+`plain_sampling(params)` says which requests may be given drafts.
+
+What is not here (drivers/vdriver.py, the step loop): proposing drafts needs each row's latest tokens on
+the host, so a speculative step reads its results before the next one is dispatched (the one-step-ahead
+overlap of ordinary decoding is lost on those steps), and the detokenize thread must accept up to K+1
+tokens per row per step (stopping at an EOS or stop string inside an accepted draft).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..models.attention import _NEG, _allowed
+from ..sampling_params import SamplingParams
+from .engine_base import constrain
+from .sampling import SlotSampling, sample
+from .speculative import VerifyResult, verify
+
+__all__ = ["DenseVerifyAttention", "SpeculativeVerifier", "plain_sampling"]
+
+
+def plain_sampling(params: SamplingParams) -> bool:
+    """True when `verify` reproduces this request's sampling exactly (greedy or temperature alone)."""
+    return (
+        not params.top_k
+        and (params.top_p is None or params.top_p >= 1.0)
+        and not params.min_p
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and (params.repetition_penalty is None or params.repetition_penalty == 1.0)
+        and not params.logit_bias
+        and not params.allowed_token_ids
+        and not params.min_tokens
+        and params.grammar is None
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseVerifyAttention:
+    """T new tokens per row against a dense cache K, V [S, M, KVH, D] (T = K+1 in a verify step).
+
+    meta: (positions i32[S], limit i32): row s's new tokens go to positions[s] .. positions[s] + T - 1;
+    ``limit`` bounds every position a live row reads (its last new position + 1). Token t attends to the
+    cache up to its own position: the row's history and the new tokens before it. The cache is read in
+    chunks with an online softmax, like DenseDecodeAttention; writes past the cache's end are dropped.
+    """
+
+    window: int | None = None
+    chunk: int = 128
+
+    def __call__(self, q, k, v, cache, meta):
+        positions, limit = meta
+        kc, vc = cache
+        s, t, h, d = q.shape
+        kvh = k.shape[2]
+        g = h // kvh
+        pos = positions[:, None] + jnp.arange(t)[None, :]  # [S, T]
+        rows = jnp.arange(s)[:, None]
+        kc = kc.at[rows, pos].set(k.astype(kc.dtype), mode="drop")
+        vc = vc.at[rows, pos].set(v.astype(vc.dtype), mode="drop")
+        n = kc.shape[1]
+        c = min(self.chunk, n)
+        qg = q.reshape(s, t, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+
+        def chunk(i, carry):
+            m, denom, acc = carry
+            start = jnp.minimum(i * c, n - c)
+            ks = jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1).astype(jnp.float32)
+            vs = jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1).astype(jnp.float32)
+            k_pos = start + jnp.arange(c)[None, None, :]
+            ok = _allowed(pos[:, :, None], k_pos, self.window) & (k_pos >= i * c)  # [S, T, C]
+            scores = jnp.einsum("stkgd,snkd->stkgn", qg, ks)
+            scores = jnp.where(ok[:, :, None, None, :], scores, _NEG)
+            m_new = jnp.maximum(m, scores.max(-1))
+            p = jnp.where(ok[:, :, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
+            scale = jnp.exp(m - m_new)
+            acc = acc * scale[..., None] + jnp.einsum("stkgn,snkd->stkgd", p, vs)
+            return m_new, denom * scale + p.sum(-1), acc
+
+        n_chunks = jnp.clip((limit + c - 1) // c, 1, -(-n // c))
+        init = (
+            jnp.full((s, t, kvh, g), _NEG, jnp.float32),
+            jnp.zeros((s, t, kvh, g), jnp.float32),
+            jnp.zeros((s, t, kvh, g, d), jnp.float32),
+        )
+        _, denom, acc = jax.lax.fori_loop(0, n_chunks, chunk, init)
+        out = acc / jnp.maximum(denom, 1e-30)[..., None]
+        return out.reshape(s, t, h, d).astype(q.dtype), (kc, vc)
+
+
+def _verify_step_impl(graphdef, params, state, draft, num_draft, limit, *, rows: int, shardings):
+    """One verify step over the first `rows` slots: forward K+1 tokens, verify, advance the state."""
+    model = nnx.merge(graphdef, params)
+    k = draft.shape[1]
+    backend = DenseVerifyAttention(window=model.config.sliding_window)
+    pos = state.positions[:rows]
+    tokens_in = jnp.concatenate([state.tokens[:rows, None], draft], axis=1)  # [rows, K+1]
+    positions = pos[:, None] + jnp.arange(k + 1)[None, :]
+    hidden, caches = model(tokens_in, positions, backend, state.caches, (pos, limit))
+    logits = model.compute_logits(hidden.reshape(rows * (k + 1), -1)).reshape(rows, k + 1, -1)
+    sampling = SlotSampling(*(a[:rows] for a in state.sampling))
+    steps = state.steps[:rows]
+    res = verify(logits, draft, num_draft, sampling.temperature, sampling.key, steps)
+    # rows without a draft decode exactly as an ordinary step: the engine's sampler at position 0
+    plain = sample(logits[:, 0], sampling, state.counts[:rows], state.prompt_mask[:rows], steps)
+    no_draft = num_draft == 0
+    first = jnp.where(no_draft, plain.tokens, res.tokens[:, 0])
+    tokens = res.tokens.at[:, 0].set(first)
+    lp0 = jnp.where(no_draft, plain.logprob, res.logprob[:, 0])
+    res = VerifyResult(tokens, jnp.where(no_draft, 0, res.num_accepted), res.logprob.at[:, 0].set(lp0))
+    emitted = res.num_accepted + 1
+    last = jnp.take_along_axis(res.tokens, res.num_accepted[:, None], axis=1)[:, 0]
+    r = jnp.arange(rows)
+    counts = state.counts
+    for t in range(k + 1):  # static K+1: scatter each emitted position's token into the penalty counts
+        counts = counts.at[r, jnp.maximum(res.tokens[:, t], 0)].add((t < emitted).astype(counts.dtype))
+    new = state._replace(
+        caches=tuple(tuple(c) for c in caches),
+        tokens=state.tokens.at[:rows].set(last),
+        positions=state.positions.at[:rows].add(emitted),
+        steps=state.steps.at[:rows].add(emitted),
+        counts=counts,
+    )
+    return constrain(new, shardings), res
+
+
+class SpeculativeVerifier:
+    """Verify steps for a vEngine: `step(state, drafts, num_draft)` advances every live slot by 1..K+1."""
+
+    def __init__(self, engine: Any, num_speculative_tokens: int):
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.engine = engine
+        self.k = int(num_speculative_tokens)
+        self._fns = {
+            rows: jax.jit(
+                partial(_verify_step_impl, engine.graphdef, rows=rows, shardings=engine._state_shardings),
+                donate_argnums=(1,),
+            )
+            for rows in engine.decode_rows
+        }
+
+    def step(self, state: Any, draft: np.ndarray, num_draft: np.ndarray) -> tuple[Any, VerifyResult]:
+        """draft i32[S, K] and num_draft i32[S] for every slot (idle slots: 0). Blocks until the accepted
+        counts are known (the engine's host mirror of each slot's length needs them)."""
+        eng = self.engine
+        live = np.flatnonzero(eng._active)
+        need_rows = int(live[-1]) + 1 if live.size else 1
+        rows = next((r for r in eng.decode_rows if r >= need_rows), eng.max_concurrent_decodes)
+        # the row's new position (+ accepted + 1) must stay inside the context
+        room = np.maximum(eng.max_length - 2 - eng._pos[:rows], 0)
+        num = np.minimum(np.asarray(num_draft[:rows], np.int32), room).astype(np.int32)
+        limit = np.int32(eng._pos[live].max() + self.k + 1 if live.size else 1)
+        state, res = self._fns[rows](eng.params, state, np.asarray(draft[:rows], np.int32), num, limit)
+        eng._pos[:rows] += np.where(eng._active[:rows], np.asarray(res.num_accepted) + 1, 0)
+        return state, res
