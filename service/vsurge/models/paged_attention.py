@@ -31,14 +31,11 @@ _BLOCK_TOKENS = 128  # positions per step of the decode page walk (measured best
 
 
 def use_pallas() -> bool:
-    """Whether decode runs JAX's Pallas TPU kernel (only on TPU, and only if this jax ships it)."""
-    if jax.default_backend() != "tpu":
-        return False
-    try:
-        from jax.experimental.pallas.ops.tpu import ragged_paged_attention  # noqa: F401
-    except ImportError:  # pragma: no cover - depends on the jax build
-        return False
-    return True
+    """Whether paged attention takes the ragged Pallas kernel path (in shard_map; models/pallas_sharded.py):
+    what the engine's ``attention`` setting resolved to (unconfigured: on TPU only, if this jax ships it)."""
+    from .pallas_sharded import current
+
+    return current().pallas
 
 
 def combine_kv(k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
@@ -177,9 +174,9 @@ class PagedPrefillAttention:
 
     meta: (positions i32[1, T], length i32[] — tokens valid after this chunk, page_row i32[W]). The chunk's
     K/V go into the row's pages (padding past ``length`` to scratch); the queries then attend to the first
-    ``num_pages`` pages of the row: a cached prefix, earlier chunks and this chunk alike. Prefill is
-    compute-bound, so one gather of the context is cheap here; it stays on this path on TPU too (the
-    kernel's "queries are the last q_len keys" rule does not hold for a right-padded chunk).
+    ``num_pages`` pages of the row: a cached prefix, earlier chunks and this chunk alike. Off the kernel
+    path one gather of the context is cheap (prefill is compute-bound); on it, the ragged kernel takes
+    the chunk as one sequence of ``length - start`` queries over ``length`` keys (see `_pallas`).
     """
 
     page_size: int
@@ -191,6 +188,9 @@ class PagedPrefillAttention:
         pos = positions[0]
         page, off = page_slots(row, pos, self.page_size, pos < length)
         cache = write_kv(cache, k[0], v[0], page, off)
+        if not isinstance(cache, tuple) and use_pallas():
+            view = row[None, : self.num_pages]
+            return _pallas(q, cache, length[None], view, self.window, q_lens=(length - pos[0])[None]), cache
         ks, vs = gather_kv(cache, row[: self.num_pages])  # [N, KVH, D]
         _, t, h, d = q.shape
         kvh = ks.shape[1]
@@ -204,27 +204,17 @@ class PagedPrefillAttention:
         return out.reshape(1, t, h, d).astype(q.dtype), cache
 
 
-def _pallas(q, pages, kv_lens, table, window):
-    """Decode through JAX's ragged paged attention kernel: one query per row, the last of its kv_len keys.
+def _pallas(q, pages, kv_lens, table, window, q_lens=None):
+    """JAX's ragged paged attention kernel, in shard_map on the engine's mesh (models/pallas_sharded.py).
 
-    q [S, 1, H, D]. kv_lens of idle slots are clamped into the table; their output is never read. (Runs
-    only on TPU; the tests check this call against the kernel's pure-JAX reference.)
+    Decode: q [S, 1, H, D], one query per row, the last of its kv_len keys (idle slots' kv_lens are
+    clamped into the table; their output is never read). Prefill: q [1, T, H, D], a right-padded chunk,
+    ``q_lens`` [1] its valid tokens: the kernel's rule (a sequence's queries are its last q_len keys)
+    holds for q_len = the valid tokens and kv_len = the length after the chunk; the padding comes out 0.
     """
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+    from .pallas_sharded import paged_attention
 
-    s, t, h, d = q.shape
-    kv_lens = jnp.clip(kv_lens, 1, table.shape[1] * pages.shape[1]).astype(jnp.int32)
-    out = ragged_paged_attention(
-        q.reshape(s * t, h, d),
-        pages,
-        kv_lens,
-        table.astype(jnp.int32),
-        jnp.arange(s + 1, dtype=jnp.int32),
-        jnp.array([s], jnp.int32),
-        sm_scale=1.0 / float(d) ** 0.5,
-        sliding_window=window,
-    )
-    return out.reshape(s, t, h, d)
+    return paged_attention(q, pages, kv_lens, table, window=window, q_lens=q_lens)
 
 
 # ---------------------------------------------------------------------------------------------- ragged
@@ -401,6 +391,13 @@ class PagedRaggedAttention:
         seg, pos = ragged_token_layout(kv_lens, cu_q_lens, num_seqs, t)
         page, off = ragged_kv_slots(page_indices, seg, pos, self.page_size)
         cache = write_kv(cache, k[0], v[0], page, off)
+        if not isinstance(cache, tuple) and use_pallas():  # the Pallas kernel, in shard_map
+            from .pallas_sharded import ragged_attention
+
+            out = ragged_attention(
+                q[0], cache, kv_lens, page_indices, cu_q_lens, num_seqs, window=self.window
+            )
+            return out[None], cache
         out = ragged_paged_attention_xla(
             q[0],
             cache,
