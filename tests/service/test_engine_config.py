@@ -29,6 +29,7 @@ ENGINE_FLAGS = {
     "--hbm-utilization": "VSURGE_HBM_UTILIZATION",
     "--mesh": "VSURGE_MESH",
     "--seed": "VSURGE_SEED",
+    "--attention": "VSURGE_ATTENTION",
 }
 
 
