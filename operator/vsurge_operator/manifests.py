@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vsurge_operator import crd, tpu
+from vsurge_operator import crd, gpu, tpu
 from vsurge_operator.spec import HTTP_PORT, METRICS_PORT, ModelSpec
 
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -120,6 +120,8 @@ def mesh(model: ModelSpec) -> str | None:
     """The engine mesh: as set in the spec, else one covering the whole slice; CPU pods use the server default."""
     if model.engine.mesh:
         return model.engine.mesh
+    if model.gpu is not None:
+        return model.gpu.mesh()
     return model.placement.mesh() if model.placement else None
 
 
@@ -146,6 +148,7 @@ def env(model: ModelSpec) -> list[dict[str, Any]]:
         ("VSURGE_HBM_UTILIZATION", e.hbm_utilization),
         ("VSURGE_MESH", mesh(model)),
         ("VSURGE_DTYPE", e.dtype),
+        ("VSURGE_QUANTIZATION", e.quantization),
     ]
     out += [_value_env(k, v) for k, v in optional if v is not None]
     out.append(_value_env("VSURGE_CACHE_DIR", CACHE_DIR))
@@ -180,13 +183,16 @@ def _quantities(amounts: Mapping[str, Any] | None) -> dict[str, str]:
 
 
 def resources(model: ModelSpec) -> dict[str, Any]:
-    """User resources plus the TPU chips of one host as both request and limit (GKE requires both)."""
+    """User resources plus the TPU chips of one host, or the GPUs of spec.gpu, as both request and limit
+    (extended resources are never overcommitted)."""
     requests = _quantities(model.resources.get("requests"))
     limits = _quantities(model.resources.get("limits"))
     if model.placement is not None:
         chips = str(model.placement.chips_per_host)
         requests[tpu.TPU_RESOURCE] = chips
         limits[tpu.TPU_RESOURCE] = chips
+    if model.gpu is not None:  # an extended resource: request == limit
+        requests[gpu.GPU_RESOURCE] = limits[gpu.GPU_RESOURCE] = str(model.gpu.count)
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = requests
@@ -252,6 +258,8 @@ def node_selector(model: ModelSpec) -> dict[str, str]:
     sel = dict(model.node_selector)
     if model.placement is not None:
         sel.update(model.placement.node_selector())
+    if model.gpu is not None:
+        sel.update(model.gpu.node_selector())
     return sel
 
 
@@ -262,6 +270,9 @@ def tolerations(model: ModelSpec) -> list[dict[str, Any]]:
     tpu_toleration = {"key": tpu.TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
     if model.placement is not None and tpu_toleration not in tol:
         tol.append(tpu_toleration)
+    gpu_toleration = {"key": gpu.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+    if model.gpu is not None and gpu_toleration not in tol:
+        tol.append(gpu_toleration)
     return tol
 
 

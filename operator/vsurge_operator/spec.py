@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vsurge_operator import tpu
+from vsurge_operator import gpu, tpu
 
 HTTP_PORT = 11556
 METRICS_PORT = 11557
@@ -40,6 +40,7 @@ class EngineSpec:
     hbm_utilization: float | None = None
     dtype: str | None = None
     mesh: str | None = None
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class ModelSpec:
     image: str
     engine: EngineSpec = field(default_factory=EngineSpec)
     placement: tpu.TpuPlacement | None = None
+    gpu: gpu.GpuPlacement | None = None  # spec.gpu (never together with spec.tpu)
     replicas: int | None = None
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     tracing: TracingSpec | None = None
@@ -134,6 +136,7 @@ _ENGINE_KEYS = {
     "hbmUtilization": "hbm_utilization",
     "dtype": "dtype",
     "mesh": "mesh",
+    "quantization": "quantization",
 }
 
 
@@ -177,6 +180,7 @@ def parse(body: Mapping[str, Any], *, default_image: str | None = None) -> Model
         image=spec.get("image") or default_image or "",
         engine=engine_from(spec.get("engine")),
         placement=placement,
+        gpu=gpu.placement(spec["gpu"]) if spec.get("gpu") else None,
         replicas=spec.get("replicas"),
         autoscaling=autoscaling_from(spec.get("autoscaling")),
         tracing=tracing,

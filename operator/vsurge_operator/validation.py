@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vsurge_operator import gpu, tpu
 from vsurge_operator import spec as specmod
-from vsurge_operator import tpu
 
 # Keep in sync with helm/vsurge/crds/inferencemodels.vsurge.io.yaml (tests compare them).
 SOURCE_PATTERN = (
@@ -34,6 +34,8 @@ QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkM
 
 DRIVERS = ("vdriver", "odriver")
 DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZATIONS = ("none", "int8")
+GPU_TYPE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"  # a label value (<= 63 characters)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 PAGE_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 TOLERATION_OPERATORS = ("Exists", "Equal")
@@ -56,6 +58,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "spec.autoscaling.scaleDownPercent": (1, 100),
     "spec.autoscaling.policyPeriodSeconds": (1, 1800),
     "spec.tracing.samplingRatio": (0, 1),
+    "spec.gpu.count": (1, gpu.MAX_GPUS),
 }
 
 
@@ -167,7 +170,10 @@ def validate(body: Mapping[str, Any], *, default_image: str | None = None) -> li
 
     _validate_engine(c, c.mapping(spec.get("engine"), "spec.engine"))
     placement = _validate_tpu(c, spec.get("tpu"))
-    _validate_mesh(c, spec, placement)
+    gpus = _validate_gpu(c, spec.get("gpu"))
+    if spec.get("tpu") is not None and spec.get("gpu") is not None:
+        c.fail("spec.gpu", "set spec.tpu or spec.gpu, not both")
+    _validate_mesh(c, spec, placement, gpus)
     _validate_autoscaling(c, c.mapping(spec.get("autoscaling"), "spec.autoscaling"))
     _validate_tracing(c, spec.get("tracing"))
     _validate_pod_overrides(c, spec, placement)
@@ -187,6 +193,7 @@ def _validate_engine(c: _Checker, engine: Mapping[str, Any]) -> None:
     if isinstance(hbm, int | float) and not isinstance(hbm, bool) and hbm > 1:
         c.fail("spec.engine.hbmUtilization", f"must be <= 1 (got {hbm})")
     c.string(engine.get("dtype"), "spec.engine.dtype", choices=DTYPES)
+    c.string(engine.get("quantization"), "spec.engine.quantization", choices=QUANTIZATIONS)
     c.string(engine.get("mesh"), "spec.engine.mesh", MESH_PATTERN)
     if isinstance(engine.get("mesh"), str) and len(engine["mesh"]) > MESH_MAX_LENGTH:
         c.fail("spec.engine.mesh", f"must be at most {MESH_MAX_LENGTH} characters")
@@ -234,11 +241,32 @@ def _validate_tpu(c: _Checker, raw: Any) -> tpu.TpuPlacement | None:
         return None
 
 
+def _validate_gpu(c: _Checker, raw: Any) -> gpu.GpuPlacement | None:
+    if raw is None:
+        return None
+    g = c.mapping(raw, "spec.gpu")
+    n_errors = len(c.errors)
+    if isinstance(raw, Mapping) and g.get("count") is None:
+        c.fail("spec.gpu.count", "is required")
+    c.integer(g.get("count"), "spec.gpu.count")
+    c.string(g.get("type"), "spec.gpu.type", GPU_TYPE_PATTERN)
+    if isinstance(g.get("type"), str) and len(g["type"]) > 63:
+        c.fail("spec.gpu.type", "must be at most 63 characters (a node label value)")
+    if len(c.errors) > n_errors or not isinstance(raw, Mapping):
+        return None
+    return gpu.placement(dict(g))
+
+
 def _mesh_devices(mesh: str) -> int:
     return math.prod(int(part.split("=", 1)[1]) for part in mesh.split(","))
 
 
-def _validate_mesh(c: _Checker, spec: Mapping[str, Any], placement: tpu.TpuPlacement | None) -> None:
+def _validate_mesh(
+    c: _Checker,
+    spec: Mapping[str, Any],
+    placement: tpu.TpuPlacement | None,
+    gpus: gpu.GpuPlacement | None = None,
+) -> None:
     engine = spec.get("engine")
     mesh = engine.get("mesh") if isinstance(engine, Mapping) else None
     if not isinstance(mesh, str) or not re.fullmatch(MESH_PATTERN, mesh):
@@ -251,6 +279,11 @@ def _validate_mesh(c: _Checker, spec: Mapping[str, Any], placement: tpu.TpuPlace
             "spec.engine.mesh",
             f"{mesh!r} spans {_mesh_devices(mesh)} devices but {placement.accelerator} {placement.topology} "
             f"has {placement.chips} chips",
+        )
+    if gpus is not None and _mesh_devices(mesh) != gpus.count:
+        c.fail(
+            "spec.engine.mesh",
+            f"{mesh!r} spans {_mesh_devices(mesh)} devices but spec.gpu.count is {gpus.count}",
         )
 
 

@@ -1,0 +1,120 @@
+"""GPU placement (spec.gpu) and int8 weights (spec.engine.quantization): CRD schema, validation, manifests,
+and the pod's environment as `vsurge serve` reads it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import pytest
+from kubernetes_validate import utils as kv
+
+from vsurge_operator import crd, gpu, manifests, spec, validation
+
+SCHEMA = crd.openapi_schema(crd.load_crd())
+SPEC = SCHEMA["properties"]["spec"]
+VALIDATOR = jsonschema.Draft4Validator(SCHEMA)
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    s: dict[str, Any] = {"model": {"source": "default"}, "image": "img:1-cuda"}
+    s.update(fields)
+    return {
+        "apiVersion": "vsurge.io/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": "llama", "namespace": "team", "uid": "u", "generation": 1},
+        "spec": s,
+    }
+
+
+def env(m: spec.ModelSpec) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in manifests.env(m)}
+
+
+def test_schema_matches_the_operator():
+    props = SPEC["properties"]
+    assert tuple(props["engine"]["properties"]["quantization"]["enum"]) == validation.QUANTIZATIONS
+    from vsurge.engine_config import QUANTIZATIONS
+
+    assert validation.QUANTIZATIONS == QUANTIZATIONS  # the CRD offers what vsurge serve accepts
+    assert props["gpu"]["properties"]["type"]["pattern"] == validation.GPU_TYPE_PATTERN
+    assert props["gpu"]["required"] == ["count"]
+    rules = {r["rule"] for r in SPEC["x-kubernetes-validations"]}
+    assert "!has(self.tpu) || !has(self.gpu)" in rules
+
+
+def test_quantization_reaches_the_pod_and_vsurge_serve():
+    from vsurge.cli import parse_serve_config
+
+    b = body(engine={"quantization": "int8", "driver": "odriver"})
+    VALIDATOR.validate(b)
+    assert validation.validate(b) == []
+    m = spec.parse(b)
+    assert m.engine.quantization == "int8"
+    values = env(m)
+    assert values["VSURGE_QUANTIZATION"] == "int8"
+    pod_env = {k: v for k, v in values.items() if k.startswith("VSURGE_") and v is not None}
+    cfg = parse_serve_config([], pod_env)
+    assert cfg.engine.quantization == "int8" and cfg.engine.driver == "odriver"
+    assert "VSURGE_QUANTIZATION" not in env(spec.parse(body()))  # unset: the server's default (none)
+
+
+@pytest.mark.parametrize(
+    ("gpu_spec", "selector"),
+    [
+        ({"count": 1}, {}),
+        ({"count": 8, "type": "nvidia-h100-80gb"}, {gpu.NODE_LABEL_GKE_ACCELERATOR: "nvidia-h100-80gb"}),
+        ({"count": 2, "type": "NVIDIA-H200"}, {gpu.NODE_LABEL_GPU_PRODUCT: "NVIDIA-H200"}),
+    ],
+)
+def test_gpu_placement_manifests(gpu_spec, selector):
+    b = body(gpu=gpu_spec, resources={"requests": {"cpu": "8"}}, nodeSelector={"pool": "gpu"})
+    VALIDATOR.validate(b)
+    assert validation.validate(b) == []
+    m = spec.parse(b)
+    d = manifests.workload(m)
+    assert d["kind"] == "Deployment"
+    pod = d["spec"]["template"]["spec"]
+    n = str(gpu_spec["count"])
+    assert pod["containers"][0]["resources"] == {
+        "requests": {"cpu": "8", "nvidia.com/gpu": n},
+        "limits": {"nvidia.com/gpu": n},
+    }
+    assert pod["nodeSelector"] == {"pool": "gpu", **selector}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert not any("google.com/tpu" in str(v) for v in (pod["tolerations"], pod["containers"][0]["resources"]))
+    mesh = env(m).get("VSURGE_MESH")
+    assert mesh == (None if gpu_spec["count"] == 1 else f"tp={gpu_spec['count']}")
+    for obj in manifests.desired_objects(m):
+        kv.validate(obj, kv.latest_version(), strict=True)
+
+
+def test_gpu_mesh_given_must_cover_the_gpus():
+    ok = body(gpu={"count": 4}, engine={"mesh": "dp=2,tp=2"})
+    assert validation.validate(ok) == []
+    assert env(spec.parse(ok))["VSURGE_MESH"] == "dp=2,tp=2"
+    bad = body(gpu={"count": 4}, engine={"mesh": "tp=8"})
+    assert [e.field for e in validation.validate(bad)] == ["spec.engine.mesh"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"gpu": {"count": 0}}, "spec.gpu.count"),
+        ({"gpu": {"count": 17}}, "spec.gpu.count"),
+        ({"gpu": {"count": "2"}}, "spec.gpu.count"),
+        ({"gpu": {"type": "nvidia-l4"}}, "spec.gpu.count"),
+        ({"gpu": {"count": 1, "type": "bad type"}}, "spec.gpu.type"),
+        ({"engine": {"quantization": "int4"}}, "spec.engine.quantization"),
+    ],
+)
+def test_bad_gpu_and_quantization_fields(fields, field):
+    b = body(**fields)
+    with pytest.raises(jsonschema.ValidationError):
+        VALIDATOR.validate(b)
+    assert field in [e.field for e in validation.validate(b)]
+
+
+def test_tpu_and_gpu_together_are_refused():
+    b = body(gpu={"count": 1}, tpu={"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"})
+    assert "spec.gpu" in [e.field for e in validation.validate(b)]
