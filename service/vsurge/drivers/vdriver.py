@@ -28,6 +28,7 @@ import jax
 
 from ..engine_config import EngineConfig
 from ..engines.vengine import vEngine
+from ..structured.slots import SlotGrammars
 from .active_request import ActiveRequest
 from .lanes import Abort, FirstToken, Prefilled, PrefilledPack
 from .metrics import DriverMetrics
@@ -64,6 +65,13 @@ class DenseSlots:
         self.free = list(range(engine.max_concurrent_decodes))
         self.waiting: collections.deque[Prefilled] = collections.deque()
         self.last_step = time.monotonic()
+        # structured output: matchers and token masks of the constrained slots (structured/slots.py)
+        self.grammars = SlotGrammars(
+            engine.max_concurrent_decodes, engine.config.vocab_size, engine.eos_token_ids
+        )
+        # constrained requests wait here until the engine's structured programs are compiled
+        self.held: collections.deque[Prefilled] = collections.deque()
+        self._warming: threading.Thread | None = None
 
     @property
     def used(self) -> int:
@@ -71,6 +79,7 @@ class DenseSlots:
 
     def release(self, slot: int) -> None:
         self.owners[slot] = None
+        self.grammars.release(slot)
         self.engine.free_resource(slot)
         heapq.heappush(self.free, slot)
 
@@ -81,6 +90,7 @@ class DenseSlots:
     def plan(self, state: Any, loop: StepLoop) -> tuple[Any, bool]:
         self._drop_ended(loop)
         self.waiting.extend(drain(self.lane.backlog))
+        self._hold_structured(loop)
         state = self._insert_waiting(state, loop)
         # decode never waits for prompts on their way: they join the batch at the next step they are ready
         if all(o is None for o in self.owners):
@@ -95,7 +105,18 @@ class DenseSlots:
 
     def step(self, state: Any) -> tuple[Any, Any, list[SlotOwner | None]]:
         self.last_step = time.monotonic()
-        state, out = self.engine.decode(state)
+        if not self.grammars:
+            state, out = self.engine.decode(state)
+            return state, out, list(self.owners)
+        # a constrained slot is live: the model first, the masks while it runs, then the sampler
+        state, logits = self.engine.decode_logits(state)
+        for slot, reason in self.grammars.prepare():
+            owner = self.owners[slot]
+            if owner is not None and not owner.req.samples[owner.index].done:
+                self.pipeline.fail(owner.req, reason)
+                owner.req.cancel()
+        state, out = self.engine.decode_sample(state, logits, self.grammars.mask)
+        self.grammars.stepped(out.tokens)
         return state, out, list(self.owners)
 
     def stepped(self) -> None:
@@ -115,6 +136,8 @@ class DenseSlots:
 
     def abort_left(self) -> None:
         """After the threads stopped: nothing waits for a slot and no slot is held."""
+        self.waiting.extend(self.held)
+        self.held.clear()
         while self.waiting:
             self.pipeline.finish(self.waiting.popleft().req, "abort")
         for slot, owner in enumerate(self.owners):
@@ -135,6 +158,35 @@ class DenseSlots:
         for req in cancelled.values():
             loop.send(Abort(req))
 
+    def _hold_structured(self, loop: StepLoop) -> None:
+        """Constrained requests wait in `held` while the engine compiles its structured programs (once, on
+        a background thread); the others go on. Back to the front of the queue once they are ready."""
+        ready = self.engine.structured_ready.is_set()
+        if ready and not self.held:
+            return
+        if ready:
+            self.waiting.extendleft(reversed(self.held))
+            self.held.clear()
+            return
+        if self._warming is not None and not self._warming.is_alive():  # warm-up failed
+            for item in self.held:
+                self.pipeline.fail(item.req, "compiling the structured-output programs failed")
+            self.held.clear()
+        keep = collections.deque()
+        for item in self.waiting:
+            if getattr(item.req.params, "grammar", None) is None:
+                keep.append(item)
+            elif item.req.cancelled:
+                loop.send(Abort(item.req))
+            else:
+                self.held.append(item)
+        self.waiting = keep
+        if self.held and (self._warming is None or not self._warming.is_alive()):
+            self._warming = threading.Thread(
+                target=self.engine.warm_structured, name="vsurge-structured-warm", daemon=True
+            )
+            self._warming.start()
+
     def _insert_waiting(self, state: Any, loop: StepLoop) -> Any:
         """Insert prefilled requests, oldest first, while all n samples of the next one fit."""
         while self.waiting and len(self.free) >= self.waiting[0].req.params.n:
@@ -144,12 +196,21 @@ class DenseSlots:
                 loop.send(Abort(req))
                 continue
             slots = [heapq.heappop(self.free) for _ in range(req.params.n)]
+            grammar = getattr(req.params, "grammar", None)
             try:
+                masks = None if grammar is None else [self.grammars.start(s, grammar) for s in slots]
                 state, firsts = self.engine.bulk_insert(
-                    ready.prefix, state, slots, keys=req.keys, index=ready.index, length=len(req.prompt_ids)
+                    ready.prefix,
+                    state,
+                    slots,
+                    keys=req.keys,
+                    index=ready.index,
+                    length=len(req.prompt_ids),
+                    token_masks=masks,
                 )
             except Exception as e:
                 for s in slots:
+                    self.grammars.release(s)
                     heapq.heappush(self.free, s)
                 self.pipeline.fail(req, f"insert failed: {e}")
                 continue
@@ -157,11 +218,14 @@ class DenseSlots:
                 owner = SlotOwner(req, i, slot)
                 self.owners[slot] = owner
                 req.samples[i].slot = slot
+                self.grammars.sampled(slot, first.tokens)
                 loop.send(FirstToken(owner, first))
         return state
 
 
 class vDriver:  # noqa: N801 - the seed's name
+    supports_structured_output = True  # token masks in DenseSlots (structured/slots.py)
+
     def __init__(
         self,
         prefill_engines: list[vEngine] | vEngine | None = None,
