@@ -26,9 +26,10 @@ def test_proposer_follows_the_most_recent_match_of_the_longest_suffix():
     # a longer match wins over a more recent shorter one
     seq = [1, 2, 3, 4, 9, 3, 5, 0, 2, 3]
     assert propose_ngram(seq, 2, max_ngram=2).tolist() == [4, 9]  # (2, 3) at 1, not (3,) at 5
-    assert propose_ngram(seq, 2, max_ngram=1).tolist() == [5, 0]  # (3,) most recent at 5
+    assert propose_ngram(seq, 2, max_ngram=1, min_ngram=1).tolist() == [5, 0]  # (3,) most recent at 5
     # the continuation is cut at the end of the sequence, and k bounds it
-    assert propose_ngram([1, 2, 1], 5).tolist() == [2, 1]
+    assert propose_ngram([1, 2, 1], 5, min_ngram=1).tolist() == [2, 1]
+    assert propose_ngram([1, 2, 1], 5).tolist() == []  # one-token matches only when asked for
     assert propose_ngram([1, 2, 3, 1, 2], 1).tolist() == [3]
 
 
@@ -36,7 +37,7 @@ def test_proposer_proposes_nothing_without_a_match():
     assert propose_ngram([1, 2, 3, 4], 4).tolist() == []
     assert propose_ngram([7], 4).tolist() == []
     assert propose_ngram([1, 2, 1, 2], 0).tolist() == []
-    drafts, counts = propose_ngram_batch([[1, 2, 1], None, [1, 2, 3]], 3)
+    drafts, counts = propose_ngram_batch([[1, 2, 1], None, [1, 2, 3]], 3, min_ngram=1)
     assert counts.tolist() == [2, 0, 0]
     assert drafts.tolist() == [[2, 1, 0], [0, 0, 0], [0, 0, 0]]
 

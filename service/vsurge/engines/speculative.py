@@ -51,7 +51,9 @@ __all__ = [
 ]
 
 DEFAULT_MAX_NGRAM = 3
-DEFAULT_MIN_NGRAM = 1
+# One-token matches are everywhere in unrelated text: their drafts are mostly rejected, and a verify
+# step costs more than a decode step, so a match must be at least two tokens long by default.
+DEFAULT_MIN_NGRAM = 2
 
 
 # ------------------------------------------------------------------------------------------- proposer
