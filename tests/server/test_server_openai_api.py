@@ -178,11 +178,14 @@ def test_errors_arrive_as_openai_exceptions(client, base_url):
         chat(client, messages=[{"role": "user", "content": "word " * 400}])
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
-        chat(client, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.body["param"] == "tools"
+        chat(client, tools=[{"type": "function", "function": {"name": "f", "parameters": []}}])
+    assert e.value.body["param"] == "tools[0].function.parameters"
     with pytest.raises(openai.BadRequestError) as e:
-        chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})
-    assert e.value.body["param"] == "response_format"
+        chat(
+            client,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
+        )
+    assert e.value.body["param"] == "response_format.json_schema.schema"
     with pytest.raises(openai.NotFoundError) as e:
         chat(client, model="no-such-model")
     assert e.value.body["code"] == "model_not_found"

@@ -69,7 +69,16 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes):  # noqa: N801 - 
         metrics_on_main_port: bool = False,
         drain_timeout_s: float = 300.0,
         owns_engines: bool = True,
+        tool_call_parser: str | None = None,
     ) -> None:
+        from .tool_parsers import PARSERS
+
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}"
+            )
+        # tool_choice "auto": the parser of the model's tool-call format (None: read from the chat template)
+        self.tool_call_parser = tool_call_parser
         self.models: dict[str, ServedModel] = {}
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes

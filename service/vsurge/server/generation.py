@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -36,6 +37,8 @@ from .shaping import (
     new_id,
 )
 from .streams import ClientDisconnected, SSEResponse, engine_events, run_until_disconnect
+from .structured_outputs import compile_spec
+from .tool_parsers import resolve_choice
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,11 @@ class GenerationRoutes:
                 > _OFFLOAD_CHARS
             )
             args = (req, entry.processor)
-            kw = {"max_length": entry.max_length, "vocab_size": entry.vocab_size}
+            kw = {
+                "max_length": entry.max_length,
+                "vocab_size": entry.vocab_size,
+                "tool_call_parser": getattr(self, "tool_call_parser", None),
+            }
             plan = await asyncio.to_thread(plan_chat, *args, **kw) if big else plan_chat(*args, **kw)
         else:
             req = validate(CompletionRequest, data)
@@ -83,6 +90,8 @@ class GenerationRoutes:
             plan = plan_completion(req, max_length=entry.max_length, vocab_size=entry.vocab_size)
             if plan.echo:
                 plan.prompt_texts = [p if isinstance(p, str) else _decode(entry, p) for p in plan.prompts]
+        if plan.grammar is not None:  # compiled once per schema, off the event loop; errors are 400s
+            plan.sampling.grammar = await compile_spec(entry, plan.grammar)
         return entry, plan
 
     def _engine_requests(self, plan: GenerationPlan, response_id: str) -> list[vSurgeRequest]:
@@ -200,6 +209,11 @@ class GenerationRoutes:
             cached_tokens=sum(col.cached_tokens for col in collectors),
         )
         if plan.operation == "chat":
+            if plan.tools is not None:
+                for c in choices:
+                    c.content, c.tool_calls, c.finish_reason = resolve_choice(
+                        c.text, c.finish_reason, plan.tools
+                    )
             obj = chat_response(
                 response_id,
                 created,
@@ -278,9 +292,29 @@ class GenerationRoutes:
             raise
         finish_reasons: dict[int, str] = {}
         route = request.url.path
+        tool_mode = plan.tools is not None and plan.tools.choice != "none"
+        tool_text: dict[int, list[str]] = {}
+
+        def tool_frames(i: int, samples: list[Any]) -> bytes:
+            # tool calls are parsed from the whole text: hold the text back, answer at the finish
+            out = []
+            for s in samples:
+                k = i * n + s.index
+                tool_text.setdefault(k, []).append(s.text)
+                quiet = dataclasses.replace(s, text="", logprobs=None, finish_reason=None)
+                out.append(writer.frames([quiet], index_offset=i * n, request_key=i))
+                if s.finish_reason is not None:
+                    content, calls, finish = resolve_choice(
+                        "".join(tool_text[k]), s.finish_reason, plan.tools
+                    )
+                    finish_reasons[k] = finish
+                    out.append(writer.tool_call_frames(k, content, calls or [], finish))
+            return b"".join(out)
 
         def frames(item: tuple[int, list[Any]]) -> bytes:
             i, samples = item
+            if tool_mode:
+                return tool_frames(i, samples)
             for s in samples:
                 if s.finish_reason is not None:
                     finish_reasons[i * n + s.index] = s.finish_reason

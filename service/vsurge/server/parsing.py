@@ -17,6 +17,8 @@ from vsurge.sampling_params import MAX_N, InvalidSamplingParams, SamplingParams
 
 from .errors import APIError, invalid_request, unsupported_field
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .structured_outputs import parse_chat_structured, parse_completion_structured
+from .tool_parsers import parser_for_template, with_tools_for_template
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -48,6 +50,9 @@ class GenerationPlan:
     return_token_ids: bool = False
     # the client asked for prompt_logprobs (vLLM's field); echo + logprobs also computes them, internally
     show_prompt_logprobs: bool = False
+    # structured output: the GrammarSpec to compile (vsurge.structured), and the chat's ToolPlan
+    grammar: Any = None
+    tools: Any = None
 
     @property
     def prompt_param(self) -> str:
@@ -159,17 +164,10 @@ def validate(cls: type[M], data: dict[str, Any]) -> M:
 
 def check_unsupported_chat(req: ChatCompletionRequest) -> None:
     """Refuse what would change the output if honoured; accept the harmless 'off' values."""
-    if req.tools:
-        raise unsupported_field("tools", "tool calling is not implemented yet")
-    if req.tool_choice not in (None, "none"):
-        raise unsupported_field("tool_choice", "tool calling is not implemented yet")
     if req.functions:
         raise unsupported_field("functions", "function calling is not implemented yet")
     if req.function_call not in (None, "none"):
         raise unsupported_field("function_call", "function calling is not implemented yet")
-    rf = req.response_format
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text" and len(rf) == 1):
-        raise unsupported_field("response_format", "only {'type': 'text'} is implemented")
     if req.audio is not None:
         raise unsupported_field("audio")
     if req.modalities not in (None, ["text"]):
@@ -212,17 +210,25 @@ def messages_to_dicts(messages: list[ChatMessage], param: str = "messages") -> l
     out = []
     for i, m in enumerate(messages):
         where = f"{param}[{i}]"
+        if m.role == "tool":
+            out.append(_tool_message(m, where))
+            continue
         role = CHAT_ROLES.get(m.role)
         if role is None:
-            if m.role in ("tool", "function"):
-                raise unsupported_field(f"{where}.role", f"'{m.role}' messages need tool calling")
+            if m.role == "function":
+                raise unsupported_field(f"{where}.role", "'function' messages (legacy); use 'tool'")
             raise invalid_request(
                 f"Invalid value for '{where}.role': {m.role!r}; expected system, developer, user or assistant.",
                 param=f"{where}.role",
             )
-        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        for name in ("tool_call_id", "function_call", "audio"):
             if getattr(m, name) is not None:
                 raise unsupported_field(f"{where}.{name}")
+        calls = _assistant_tool_calls(m.tool_calls, where) if m.tool_calls is not None else None
+        if calls is not None and role != "assistant":
+            raise invalid_request(
+                f"'{where}.tool_calls' is only allowed on assistant messages.", param=f"{where}.tool_calls"
+            )
         if m.refusal is not None and not isinstance(m.refusal, str):
             raise invalid_request(
                 f"Invalid value for '{where}.refusal': expected a string.", param=f"{where}.refusal"
@@ -231,7 +237,50 @@ def messages_to_dicts(messages: list[ChatMessage], param: str = "messages") -> l
         d: dict[str, Any] = {"role": role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if calls:
+            d["tool_calls"] = calls
         out.append(d)
+    return out
+
+
+def _tool_message(m: ChatMessage, where: str) -> dict[str, Any]:
+    """A tool's result: content and the id of the call it answers."""
+    if not isinstance(m.tool_call_id, str) or not m.tool_call_id:
+        raise invalid_request(
+            f"Missing required parameter: '{where}.tool_call_id'.", param=f"{where}.tool_call_id"
+        )
+    return {
+        "role": "tool",
+        "tool_call_id": m.tool_call_id,
+        "content": _content_text(m.content, where, "tool"),
+    }
+
+
+def _assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's earlier tool calls, for the template: arguments as objects (what templates expect)."""
+    p = f"{where}.tool_calls"
+    if not isinstance(calls, list):
+        raise invalid_request(f"Invalid type for '{p}': expected an array.", param=p)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid_request(
+                f"Invalid value for '{p}[{j}]': expected {{id, type, function: {{name, arguments}}}}.",
+                param=f"{p}[{j}]",
+            )
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise invalid_request(
+                    f"Invalid value for '{p}[{j}].function.arguments': not valid JSON.",
+                    param=f"{p}[{j}].function.arguments",
+                ) from None
+        out.append(
+            {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
     return out
 
 
@@ -270,8 +319,11 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    describe_tools: bool = True,
 ) -> str:
-    """Apply the model's chat template; a template that refuses the conversation is the client's 400."""
+    """Apply the model's chat template; a template that refuses the conversation is the client's 400.
+    ``tools`` go to the template's own tool support, or into a system message where it has none."""
     if processor is None:
         raise invalid_request(
             "This model has no tokenizer; send token ids to /v1/completions.", param="model"
@@ -290,11 +342,15 @@ def render_chat(
         "tokenize",
         "add_generation_prompt",
         "continue_final_message",
+        "tools",
     ):
         if reserved in kwargs:
             raise invalid_request(
                 f"chat_template_kwargs must not set {reserved!r}.", param=f"chat_template_kwargs.{reserved}"
             )
+    messages, template_tools = with_tools_for_template(messages, tools or [], processor, describe_tools)
+    if template_tools:
+        kwargs["tools"] = template_tools
     try:
         text = processor.apply_chat_template(
             messages,
@@ -415,9 +471,14 @@ def plan_chat(
     *,
     max_length: int,
     vocab_size: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> GenerationPlan:
     """A validated chat request -> the rendered prompt and sampling parameters."""
     check_unsupported_chat(req)
+    structured = parse_chat_structured(req)
+    tools = structured.tools
+    if tools is not None and tools.choice == "auto":
+        tools.parser = tool_call_parser or parser_for_template(processor)
     messages = messages_to_dicts(req.messages)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise invalid_request(
@@ -440,6 +501,8 @@ def plan_chat(
         add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
         continue_final_message=bool(req.continue_final_message),
         chat_template_kwargs=req.chat_template_kwargs,
+        tools=tools.template_tools if tools is not None else None,
+        describe_tools=tools is not None and tools.choice == "auto",
     )
     stream, include, continuous = _stream_flags(req)
     return GenerationPlan(
@@ -454,6 +517,8 @@ def plan_chat(
         strict_max_tokens=requested is not None,
         return_token_ids=bool(req.return_token_ids),
         show_prompt_logprobs=req.prompt_logprobs is not None,
+        grammar=structured.grammar,
+        tools=tools,
     )
 
 
@@ -492,6 +557,7 @@ def plan_completion(
     vocab_size: int | None = None,
 ) -> GenerationPlan:
     check_unsupported_completion(req)
+    grammar = parse_completion_structured(req)
     prompts = completion_prompts(req.prompt, vocab_size)
     max_tokens = _max_tokens(
         req.max_tokens, min(DEFAULT_COMPLETION_MAX_TOKENS, max_length), max_length, "max_tokens"
@@ -529,4 +595,5 @@ def plan_completion(
         strict_max_tokens=req.max_tokens is not None,
         return_token_ids=bool(req.return_token_ids),
         show_prompt_logprobs=req.prompt_logprobs is not None,
+        grammar=grammar,
     )

@@ -71,6 +71,9 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
+    # vLLM's structured output (json / regex / choice / grammar / json_object); checked in
+    # structured_outputs.py so each problem names its field
+    structured_outputs: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -82,13 +85,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-    # Not implemented yet: refused by parsing.py when given a value that would change the output.
+    # Structured output and tool calling: checked in structured_outputs.py
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    response_format: Any = None
+    # Not implemented yet: refused by parsing.py when given a value that would change the output.
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -102,6 +106,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
+    response_format: Any = None  # vLLM accepts it on completions too
     suffix: Any = None
     best_of: Any = None
 

@@ -195,6 +195,9 @@ class Choice:
     generated_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # tool calling (tool_parsers.py): the message's tool_calls, and its content without the call text
+    tool_calls: list[dict[str, Any]] | None = None
+    content: str | None = None
 
     @property
     def text(self) -> str:
@@ -259,7 +262,9 @@ def chat_response(
     for c in choices:
         choice = {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "message": {"role": "assistant", "content": c.text, "refusal": None}
+            if c.tool_calls is None
+            else {"role": "assistant", "content": c.content, "refusal": None, "tool_calls": c.tool_calls},
             "logprobs": chat_logprobs(chat_logprob_entries(c.logprobs, decode)) if with_logprobs else None,
             "finish_reason": c.finish_reason,
         }
@@ -458,6 +463,28 @@ class ChunkWriter:
                     s.prompt_logprobs, self.decode
                 )
             parts.append(self._frame([choice], extra))
+        return b"".join(parts)
+
+    def tool_call_frames(
+        self, index: int, content: str | None, tool_calls: list[dict[str, Any]], finish_reason: str | None
+    ) -> bytes:
+        """A tool-mode choice's answer, once its text is complete: its content (if any), then one delta per
+        call carrying id, type, name and the whole arguments (OpenAI's first-delta shape), then the finish."""
+        parts = []
+        if content:
+            parts.append(
+                self._frame(
+                    [{"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": None}]
+                )
+            )
+        for k, call in enumerate(tool_calls):
+            delta = {"tool_calls": [{"index": k, **call}]}
+            parts.append(
+                self._frame([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+            )
+        parts.append(
+            self._frame([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+        )
         return b"".join(parts)
 
     def usage_frame(self) -> bytes:
