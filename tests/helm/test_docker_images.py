@@ -104,14 +104,34 @@ def test_entrypoint_and_command(image: str) -> None:
         assert cmds[-1].exec_form == expected_cmd
 
 
+def _installed(dockerfile, build_args: dict[str, str] | None = None) -> list[str]:
+    """What `pip install` installs in the image, its ARGs at their defaults or at `build_args`."""
+    out = []
+    for stage in dockerfile.stages:
+        env = {**stage.env, **(build_args or {})}
+        runs = " ".join(substitute(i.rest, env) for i in stage.all("RUN"))
+        out += re.findall(r"pip install (?!--upgrade)\"?([^\"\s]+)\"?", runs)
+    return out
+
+
 def test_installs_the_project(image: str) -> None:
     dockerfile = parse(DOCKERFILES[image])
-    runs = " ".join(i.rest for s in dockerfile.stages for i in s.all("RUN"))
-    installed = re.findall(r"pip install (?!--upgrade)\"?([^\"\s]+)\"?", runs)
+    installed = _installed(dockerfile)
     assert installed == [CONTRACT[image]["install"]]
     extras = re.findall(r"\[(\w+)\]", CONTRACT[image]["install"])
     for extra in extras:
         assert extra in PYPROJECT["project"]["optional-dependencies"], f"pyproject has no extra {extra!r}"
+
+
+def test_service_image_has_a_cuda_variant() -> None:
+    # --build-arg ACCELERATOR=cuda installs the cuda extra: jax's CUDA 12 wheels
+    dockerfile = parse(DOCKERFILES["service"])
+    assert _installed(dockerfile, {"ACCELERATOR": "cuda"}) == [".[cuda]"]
+    cuda = PYPROJECT["project"]["optional-dependencies"]["cuda"]
+    assert any(re.match(r"jax\[cuda12\]", dep) for dep in cuda), cuda
+    # the extra asks for the same jax as the core dependency (jax's extra pins its plugin to that version)
+    core = next(d for d in PYPROJECT["project"]["dependencies"] if re.match(r"jax\b", d))
+    assert cuda[0].removeprefix("jax[cuda12]") == core.removeprefix("jax")
 
 
 def test_service_image_entrypoint_is_the_cli() -> None:
