@@ -85,6 +85,7 @@ class DenseSlots:
 
     # ------------------------------------------------------------------ Stepper
     def init_state(self) -> Any:
+        self.last_step = time.monotonic()  # the stall counts from the step thread's start, not compile()
         return self.engine.init_decode_state()
 
     def plan(self, state: Any, loop: StepLoop) -> tuple[Any, bool]:
