@@ -44,7 +44,7 @@ ENGINE = dict(
     enable_prefix_caching=False,
 )
 PROMPTS = [list(range(3, 23)), [5, 6, 7]]  # 20 tokens: a chunk of 16, then one of 4 (after a prefix)
-STEPS = 6
+STEPS = 8
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 
@@ -192,8 +192,20 @@ def _greedy(path: str, spec: str | None, attention: str) -> tuple[list[list[int]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("llama", **MODEL)[0]
+def checkpoint(tmp_path_factory):
+    """A tiny random Llama whose attention is sharp: weights this small attend almost uniformly, so an
+    attention bug (scale, mask, a head read from the wrong shard) would barely move a token."""
+    import torch
+    from tiny_models import make_checkpoint
+
+    d = tmp_path_factory.mktemp("sharp-llama")
+    model = make_checkpoint(d, **MODEL)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model.save_pretrained(d)
+    return str(d)
 
 
 @pytest.fixture(scope="module")
