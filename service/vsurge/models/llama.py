@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from .quantization import check_quantization, embed_rows, int8_matmul
 from .registry import register_architecture
 from .rope import apply_rope, inverse_frequencies
 from .sharding import LLAMA_RULES
@@ -25,12 +26,23 @@ def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jnp.ndarray:
 
 
 class Linear(nnx.Module):
-    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_init(rngs, (din, dout), dtype))
+    """y = x @ kernel (+ bias). quantization="int8": the kernel is int8 [in, out] with `scale` [G, out]
+    (models/quantization.py); the loader fills both."""
+
+    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs, quantization: str = "none"):
+        if quantization == "int8":
+            self.kernel = nnx.Param(jnp.zeros((din, dout), jnp.int8))
+            self.scale = nnx.Param(jnp.ones((1, dout), jnp.float32))
+        else:
+            self.kernel = nnx.Param(_init(rngs, (din, dout), dtype))
+            self.scale = None
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
+        if self.scale is not None:
+            y = int8_matmul(x, self.kernel[...], self.scale[...]).astype(x.dtype)
+        else:
+            y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -49,12 +61,13 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str = "none"):
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        lin = dict(dtype=dtype, rngs=rngs, quantization=quantization)
+        self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, **lin)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, **lin)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, **lin)
+        self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, **lin)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
@@ -78,22 +91,23 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str = "none"):
         d, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(d, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(i, d, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        lin = dict(bias=cfg.mlp_bias, dtype=dtype, rngs=rngs, quantization=quantization)
+        self.gate_proj = Linear(d, i, **lin)
+        self.up_proj = Linear(d, i, **lin)
+        self.down_proj = Linear(i, d, **lin)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str = "none"):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, quantization)
 
     def __call__(self, x, positions, backend, cache, meta):
         h, cache = self.self_attn(self.input_layernorm(x), positions, backend, cache, meta)
@@ -102,31 +116,44 @@ class DecoderLayer(nnx.Module):
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(_init(rngs, (vocab, dim), dtype))
+    """The token table [vocab, hidden]; int8: per-row `scale` [vocab, G] (also the tied lm_head's scale)."""
+
+    def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs, quantization: str = "none"):
+        if quantization == "int8":
+            self.embedding = nnx.Param(jnp.zeros((vocab, dim), jnp.int8))
+            self.scale = nnx.Param(jnp.ones((vocab, 1), jnp.float32))
+        else:
+            self.embedding = nnx.Param(_init(rngs, (vocab, dim), dtype))
+            self.scale = None
+        self.dtype = dtype
 
     def __call__(self, ids):
+        if self.scale is not None:
+            return embed_rows(self.embedding[...], self.scale[...], ids, self.dtype)
         return jnp.take(self.embedding[...], ids, axis=0)
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, quantization: str = "none"):
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype, rngs, quantization)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nnx.Module):
     """Causal LM. ``__call__`` returns hidden states; ``compute_logits`` turns chosen rows into logits."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantization: str = "none"):
         self.config = cfg
-        self.dtype = dtype
-        self.model = LlamaModel(cfg, dtype, rngs)
+        self.dtype = dtype  # the activations' dtype (also the weights' unless quantized)
+        self.quantization = check_quantization(quantization)
+        self.model = LlamaModel(cfg, dtype, rngs, self.quantization)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+            else Linear(
+                cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs, quantization=quantization
+            )
         )
 
     def __call__(
@@ -146,8 +173,13 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
         if self.lm_head is None:
-            w = self.model.embed_tokens.embedding[...]
+            embed = self.model.embed_tokens
+            w = embed.embedding[...]
+            if embed.scale is not None:  # tied and int8: the table [vocab, hidden] contracted over hidden
+                return int8_matmul(hidden, w, embed.scale[...], axis=1)
             return jnp.dot(hidden, w.T, preferred_element_type=jnp.float32)
+        if self.lm_head.scale is not None:
+            return int8_matmul(hidden, self.lm_head.kernel[...], self.lm_head.scale[...])
         return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
 
 

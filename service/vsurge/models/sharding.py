@@ -25,6 +25,14 @@ LLAMA_RULES: tuple[tuple[str, P], ...] = (
     (r"mlp/(gate|up)_proj/bias$", P("tp")),
     (r"mlp/down_proj/kernel$", P("tp", None)),
     (r"lm_head/kernel$", P(None, "tp")),
+    # int8 scales (models/quantization.py), [G, out] beside a kernel and [vocab, G] beside the embedding:
+    # split like the weight they scale (out channels with the out axis, groups of `in` with the in axis)
+    (r"embed_tokens/scale$", P("tp", None)),
+    (r"self_attn/(q|k|v)_proj/scale$", P(None, "tp")),
+    (r"self_attn/o_proj/scale$", P("tp", None)),
+    (r"mlp/(gate|up)_proj/scale$", P(None, "tp")),
+    (r"mlp/down_proj/scale$", P("tp", None)),
+    (r"lm_head/scale$", P(None, "tp")),
     (r".*", P()),
 )
 # model_type -> rules, as registered (models/registry.py; the Llama family registers LLAMA_RULES).

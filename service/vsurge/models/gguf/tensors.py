@@ -80,6 +80,18 @@ class GGUFTensors(Mapping[str, np.ndarray]):
             array = _unpermute_rows(array, info.unpermute_heads)
         return array
 
+    def int8_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A Q8_0 tensor as it is stored, for int8 serving (models/quantization.py): (q int8 [rows, cols],
+        scale float32 [rows, cols / 32]) in the Hugging Face shape, rows un-permuted like `self[name]`;
+        None for any other type (those are dequantized, then quantized per channel)."""
+        info = self.info[name]
+        if info.ggml_type != "Q8_0" or len(info.shape) != 2:
+            return None
+        q, scale = _q8_0_blocks(self._by_gguf_name[info.gguf_name].data, info.shape)
+        if info.unpermute_heads is not None:
+            q, scale = _unpermute_rows(q, info.unpermute_heads), _unpermute_rows(scale, info.unpermute_heads)
+        return q, scale
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.info)
 
@@ -235,6 +247,17 @@ def _dequantize(path: Path, tensor: _Tensor) -> np.ndarray:
         raise CheckpointError(
             f"{path}: cannot dequantize tensor {tensor.name!r} of type {tensor.type_name}: {exc}"
         ) from exc
+
+
+_Q8_0_BLOCK = 32  # values per block; each block is an f16 scale then 32 int8 values (34 bytes)
+
+
+def _q8_0_blocks(data: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    rows, cols = shape
+    blocks = np.asarray(data).reshape(rows, cols // _Q8_0_BLOCK, 2 + _Q8_0_BLOCK)
+    scale = blocks[:, :, :2].copy().view(np.float16).reshape(rows, cols // _Q8_0_BLOCK)
+    q = blocks[:, :, 2:].copy().view(np.int8).reshape(rows, cols)
+    return q, scale.astype(np.float32)
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -1,0 +1,158 @@
+"""int8 weight-only quantization: the weights stay int8 in device memory, the matmul dequantizes in-program.
+
+A quantized weight is a pair ``(q, scale)``:
+
+* ``q``: int8, in the weight's own layout (a Linear kernel ``[in, out]``, the embedding ``[vocab, hidden]``);
+* ``scale``: float32 with one entry per output channel and per group of the contraction axis:
+  ``[G, out]`` for a kernel, ``[vocab, G]`` for the embedding. ``G == 1`` is per-output-channel symmetric
+  int8 (what ``quantize`` makes from a bf16/f32 checkpoint); ``G == in / 32`` is GGUF Q8_0 kept as it is
+  stored (its f16 block scales, no second rounding).
+
+The weight is ``q * scale`` (each scale broadcast over its group). With ``G == 1`` the scale is applied to
+the matmul's output (``(x @ q) * scale``: exact, and the cheapest); with groups it is applied to the weight
+tile before the matmul. On TPU and GPU, XLA fuses the int8 -> float convert (and the group scale) into the
+matmul's operand fusion, so only int8 is read from memory. XLA:CPU does not: it would write the whole
+weight in float32 before its gemm, so on CPU the matmul runs over output tiles (``TILE_BYTES`` of float
+each) in a loop, and the full-precision weight never exists there either.
+
+The embedding and the (tied or separate) lm_head are quantized too, per vocabulary row: the row scale is
+the lm_head's output-channel scale, so one int8 table serves the lookup and the logits of a tied model.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..engine_config import QUANTIZATIONS  # one list of choices: the config's
+
+__all__ = [
+    "QUANTIZATIONS",
+    "TILE_BYTES",
+    "check_quantization",
+    "dequantize",
+    "embed_rows",
+    "int8_matmul",
+    "quantize",
+    "quantize_on_device",
+]
+
+# CPU only: the largest float tile of a weight one matmul step dequantizes (fits in L2).
+TILE_BYTES = 512 * 1024
+
+
+def check_quantization(value: Any) -> str:
+    """`None` -> "none"; anything but none|int8 is a ValueError naming the choices."""
+    value = "none" if value is None else value
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {value!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    return value
+
+
+# ------------------------------------------------------------------------------ making the int8 weights
+
+
+@partial(jax.jit, static_argnames=("axis",))
+def _quantize(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero channel stays zero with any scale
+    q = jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def quantize(w: Any, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Per-channel symmetric int8 of `w`, reducing over `axis` (the contraction axis): (q, scale) with
+    scale's `axis` of size 1. Runs where `w` lives (host numpy arrays go to the default device)."""
+    return _quantize(jnp.asarray(w), axis)
+
+
+def quantize_on_device(
+    w: np.ndarray, axis: int, q_sharding: jax.sharding.Sharding, s_sharding: jax.sharding.Sharding
+) -> tuple[jax.Array, jax.Array]:
+    """Quantize one checkpoint tensor at load: it goes to the devices in its own dtype, sharded as the int8
+    weight will be (so no device holds more than its shard of it), and only the int8 result and the scales
+    stay. One tensor at a time: the model never exists in full precision on the device."""
+    placed = jax.device_put(w, q_sharding)
+    fn = jax.jit(partial(_quantize, axis=axis), out_shardings=(q_sharding, s_sharding))
+    q, scale = fn(placed)
+    del placed
+    return q, scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, axis: int, dtype: Any) -> jax.Array:
+    """`q * scale` in `dtype`; `axis` is q's contraction axis, over which scale's groups run."""
+    groups = scale.shape[axis]
+    w = q.astype(jnp.float32)
+    if groups == 1:
+        return (w * scale).astype(dtype)
+    shape = q.shape
+    n = shape[axis]
+    if axis == 0:  # kernel [in, out], scale [G, out]
+        w = w.reshape(groups, n // groups, shape[1]) * scale[:, None, :]
+    else:  # embedding [vocab, hidden], scale [vocab, G]
+        w = w.reshape(shape[0], groups, n // groups) * scale[:, :, None]
+    return w.reshape(shape).astype(dtype)
+
+
+# ------------------------------------------------------------------------------ using them
+
+
+def _tile_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, axis: int) -> jax.Array:
+    """x [..., in] times one (tile of a) weight; float32 out. `axis`: q's contraction axis."""
+    groups = scale.shape[axis]
+    dims = (((x.ndim - 1,), (axis,)), ((), ()))
+    if groups == 1:  # per channel: the scale goes on the output, the weight is only converted
+        y = lax.dot_general(x, q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+        return y * scale.reshape(-1)
+    w = dequantize(q, scale, axis, x.dtype)
+    return lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+
+def _tile_size(n_out: int, n_in: int, itemsize: int) -> int:
+    """The largest divisor of n_out whose float tile [n_in, tile] fits in TILE_BYTES (at least 1)."""
+    limit = max(1, TILE_BYTES // max(1, n_in * itemsize))
+    if limit >= n_out:
+        return n_out
+    for t in range(limit, 0, -1):
+        if n_out % t == 0:
+            return t
+    return 1
+
+
+def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, axis: int = 0) -> jax.Array:
+    """`x @ (q * scale)` contracting q's `axis` (0 for a kernel [in, out], 1 for the embedding used as the
+    lm_head), in float32, reading q as int8. On CPU: over output tiles, so no float copy of the whole
+    weight is made."""
+    out_axis = 1 - axis
+    n_out, n_in = q.shape[out_axis], q.shape[axis]
+    tile = n_out
+    if jax.default_backend() == "cpu":
+        tile = _tile_size(n_out, n_in, jnp.dtype(x.dtype).itemsize)  # a weight under one tile: one step
+    if tile == n_out:
+        return _tile_matmul(x, q, scale, axis)
+
+    def step(_, i):
+        qt = lax.dynamic_slice_in_dim(q, i * tile, tile, axis=out_axis)
+        st = lax.dynamic_slice_in_dim(scale, i * tile, tile, axis=out_axis)
+        return None, _tile_matmul(x, qt, st, axis)
+
+    _, ys = lax.scan(step, None, jnp.arange(n_out // tile))  # [tiles, ..., tile]
+    return jnp.moveaxis(ys, 0, -2).reshape(*x.shape[:-1], n_out)
+
+
+def embed_rows(q: jax.Array, scale: jax.Array, ids: jax.Array, dtype: Any) -> jax.Array:
+    """Embedding lookup from an int8 table [vocab, hidden] with row scales [vocab, G]: only the looked-up
+    rows are dequantized."""
+    rows = jnp.take(q, ids, axis=0).astype(jnp.float32)  # [..., hidden]
+    s = jnp.take(scale, ids, axis=0)  # [..., G]
+    groups, hidden = s.shape[-1], rows.shape[-1]
+    if groups == 1:
+        return (rows * s).astype(dtype)
+    rows = rows.reshape(*rows.shape[:-1], groups, hidden // groups) * s[..., None]
+    return rows.reshape(*rows.shape[:-2], hidden).astype(dtype)
