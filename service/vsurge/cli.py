@@ -306,7 +306,9 @@ def run_serve(cfg: ServeConfig) -> int:
             from vsurge.models.sharding import make_mesh
 
             mesh = make_mesh(cfg.mesh)
-        model, processor = vsurge.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh)
+        model, processor = vsurge.load_model(
+            cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization
+        )
         load_s = time.perf_counter() - t0
         say(f"loaded {cfg.model_name} in {load_s:.1f}s")
         surge = build_surge(cfg, model, processor, mesh)
