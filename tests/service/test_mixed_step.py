@@ -81,6 +81,7 @@ def test_plan_chunks_respects_the_budget_oldest_first():
             assert decoding + sum(lens) == budget  # stopped only for lack of budget
     assert plan_chunks([500, 10], decoding=30, budget=64, max_seqs=4) == [34]
     assert plan_chunks([5, 10, 7], decoding=0, budget=64, max_seqs=2) == [5, 10]
+    assert plan_chunks([1500, 10], decoding=3, budget=2048, max_seqs=4, max_tokens=1024) == [1024]
 
 
 def test_plan_step_advances_cursors_and_counts_decoding_rows():

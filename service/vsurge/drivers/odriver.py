@@ -74,7 +74,8 @@ class PagedSteps:
         if preempted or not sched.any_decoding():
             loop.flush()  # everything a preempted sequence produced goes out before its Preempt
             self._preempted(preempted, loop)
-        self._chunks = sched.plan_step(self.engine.token_budget, self.engine.step_seqs)
+        eng = self.engine
+        self._chunks = sched.plan_step(eng.token_budget, eng.step_seqs, eng.step_tokens[-1])
         if sched.any_decoding():
             return state, True  # the pipeline dispatches the step (decode rows + these chunks)
         if self._chunks:  # prefill only: no decode rows, so no tokens for the pipeline to hand on

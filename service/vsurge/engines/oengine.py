@@ -2,6 +2,13 @@
 
 Jitted programs, each taking the pages (or the whole decode state) donated so they update in place:
 
+* the mixed step (what oDriver runs; mixed_step.py): every decoding row plus prefill chunks of up to
+  ``step_seqs`` sequences within ``max_num_batched_tokens``, one forward per (rows, chunk tokens) bucket,
+  then the sampler for the rows and ``seat`` for each final chunk (`step`);
+
+The per-sequence programs below remain for direct use (``prefill_chunk`` / ``decode``; compiled on first
+call unless ``legacy_programs`` is set before ``compile()``):
+
 * prefill: one sequence's chunk of up to T tokens (T a prefill bucket) at absolute positions, written into
   its pages and attending to every page before it (a cached prefix, earlier chunks); then ``seat`` samples
   the token after the chunk and puts the sequence in its decode slot (only the final chunk's token is

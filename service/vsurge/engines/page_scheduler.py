@@ -72,11 +72,16 @@ class Chunk:
     final: bool
 
 
-def plan_chunks(remaining: list[int], decoding: int, budget: int, max_seqs: int) -> list[int]:
+def plan_chunks(
+    remaining: list[int], decoding: int, budget: int, max_seqs: int, max_tokens: int | None = None
+) -> list[int]:
     """Chunk lengths for the prefilling sequences (``remaining``: prompt tokens left, oldest first) in a
     step of ``budget`` tokens of which ``decoding`` go to decode rows: oldest first, each as much as is
-    left of the budget, at most ``max_seqs`` sequences. The sum never exceeds ``budget - decoding``."""
+    left of the budget, at most ``max_seqs`` sequences. The sum never exceeds ``budget - decoding``, nor
+    ``max_tokens`` (the largest chunk-token shape of a step) when given."""
     left, out = budget - decoding, []
+    if max_tokens is not None:
+        left = min(left, max_tokens)
     for r in remaining[:max_seqs]:
         if left <= 0 or r <= 0:
             break
@@ -181,11 +186,11 @@ class PageScheduler:
                 break
         return out
 
-    def plan_step(self, budget: int, max_seqs: int) -> list[Chunk]:
+    def plan_step(self, budget: int, max_seqs: int, max_tokens: int | None = None) -> list[Chunk]:
         """The prefill chunks of the next mixed step (see `plan_chunks`); their tokens count as dispatched."""
         pre = sorted((s for s in self.slots if s is not None and not s.decoding), key=lambda s: s.order)
         decoding = sum(1 for s in self.slots if s is not None and s.decoding)
-        lens = plan_chunks([len(s.tokens) - s.cursor for s in pre], decoding, budget, max_seqs)
+        lens = plan_chunks([len(s.tokens) - s.cursor for s in pre], decoding, budget, max_seqs, max_tokens)
         out = []
         for seq, n in zip(pre, lens, strict=False):
             out.append(Chunk(seq, seq.cursor, n, seq.cursor + n == len(seq.tokens)))
