@@ -330,6 +330,32 @@ def deployment(model: ModelSpec) -> dict[str, Any]:
     }
 
 
+# What `vsurge serve` reads to join a multi-host group (vsurge/distributed.py). The LeaderWorkerSet
+# controller prepends LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX to each container's
+# environment, so these expand them. The step lane listens on the coordinator port + 1.
+COORDINATOR_PORT = 8476
+STEP_LANE_PORT = COORDINATOR_PORT + 1
+GROUP_ENV = {
+    "VSURGE_COORDINATOR_ADDRESS": f"$(LWS_LEADER_ADDRESS):{COORDINATOR_PORT}",
+    "VSURGE_NUM_PROCESSES": "$(LWS_GROUP_SIZE)",
+    "VSURGE_PROCESS_ID": "$(LWS_WORKER_INDEX)",
+}
+
+
+def group_pod_template(model: ModelSpec, *, leader: bool) -> dict[str, Any]:
+    """A LeaderWorkerSet pod: the pod template plus the process group's variables and ports. Only the
+    leader answers HTTP, so only it has probes; a worker exits when its leader is gone."""
+    template = pod_template(model, probes=leader)
+    c = template["spec"]["containers"][0]
+    names = {e["name"] for e in c["env"]}
+    c["env"] += [_value_env(k, v) for k, v in GROUP_ENV.items() if k not in names]
+    c["ports"] += [
+        {"name": "coordinator", "containerPort": COORDINATOR_PORT, "protocol": "TCP"},
+        {"name": "step-lane", "containerPort": STEP_LANE_PORT, "protocol": "TCP"},
+    ]
+    return template
+
+
 def leader_worker_set(model: ModelSpec) -> dict[str, Any]:
     assert model.placement is not None
     return {
@@ -348,8 +374,8 @@ def leader_worker_set(model: ModelSpec) -> dict[str, Any]:
                 # JAX program cannot continue with a missing process.
                 "size": model.placement.hosts,
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": pod_template(model, probes=True),
-                "workerTemplate": pod_template(model, probes=False),
+                "leaderTemplate": group_pod_template(model, leader=True),
+                "workerTemplate": group_pod_template(model, leader=False),
             },
         },
     }

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vsurge.distributed import parse_address, parse_non_negative
 from vsurge.engine_config import EngineConfig, env_name, flag_name, serve_fields
 from vsurge.env_options import (
     add_env_arguments,
@@ -174,6 +175,32 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "seconds SIGTERM waits for requests in flight",
         "S",
     ),
+    # A multi-host slice (vsurge/distributed.py): unset, a LeaderWorkerSet's LWS_* variables decide.
+    Option(
+        "--coordinator-address",
+        "VSURGE_COORDINATOR_ADDRESS",
+        parse_address,
+        None,
+        "multi-host: the JAX coordinator HOST:PORT on process 0 (the step lane listens on PORT+1)",
+        "HOST:PORT",
+    ),
+    Option("--num-processes", "VSURGE_NUM_PROCESSES", _positive_int, None, "multi-host: processes", "N"),
+    Option(
+        "--process-id",
+        "VSURGE_PROCESS_ID",
+        parse_non_negative,
+        None,
+        "multi-host: this process (0 serves HTTP; the others replay its engine calls)",
+        "N",
+    ),
+    Option(
+        "--join-timeout",
+        "VSURGE_JOIN_TIMEOUT",
+        _positive_float,
+        300.0,
+        "multi-host: seconds to wait for the other processes (a worker without a leader exits then)",
+        "S",
+    ),
 )
 
 
@@ -195,6 +222,10 @@ class ServeConfig:
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
     drain_timeout: float = 300.0
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    join_timeout: float = 300.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -287,9 +318,18 @@ def _enable_compilation_cache() -> None:
 
 
 def run_serve(cfg: ServeConfig) -> int:
+    from vsurge import multihost
     from vsurge.server import vSurgeApiServer
     from vsurge.server.runner import serve
 
+    try:  # a multi-host slice: join the group first; a worker only replays the leader (multihost.py)
+        group = multihost.join_group(cfg)
+    except (ValueError, RuntimeError) as e:
+        print(f"vsurge serve: {e}", file=sys.stderr)
+        return 1
+    if group is not None and not group.is_leader:
+        return multihost.run_worker(cfg, group)
+    leader = multihost.Leader(group) if group is not None else None
     api = vSurgeApiServer(
         api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, drain_timeout_s=cfg.drain_timeout
     )
@@ -306,12 +346,17 @@ def run_serve(cfg: ServeConfig) -> int:
             from vsurge.models.sharding import make_mesh
 
             mesh = make_mesh(cfg.mesh)
+        if leader is not None:
+            mesh = leader.mesh(cfg)
         model, processor = vsurge.load_model(
             cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization
         )
         load_s = time.perf_counter() - t0
         say(f"loaded {cfg.model_name} in {load_s:.1f}s")
-        surge = build_surge(cfg, model, processor, mesh)
+        if leader is not None:
+            surge = leader.surge(cfg, model, processor, mesh, api)
+        else:
+            surge = build_surge(cfg, model, processor, mesh)
         api.add_model(cfg.model_name, surge, load_seconds=load_s)
         from vsurge.models.sources import load_phases
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from vsurge.distributed import EngineUnavailableError
 from vsurge.request import PromptTooLongError, QueueFullError, RequestFailedError
 from vsurge.sampling_params import InvalidSamplingParams
 
@@ -104,6 +105,17 @@ def not_ready(reason: str) -> APIError:
     )
 
 
+def engine_unavailable(detail: str) -> APIError:
+    # A process of a multi-host engine is gone: this replica restarts; the router retries elsewhere.
+    return APIError(
+        503,
+        f"The engine is unavailable: {detail}. Retry after a short wait.",
+        type="server_error",
+        code="engine_unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
 def internal(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
 
@@ -118,6 +130,8 @@ def from_exception(exc: BaseException) -> APIError:
         return invalid_request(str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, QueueFullError):
         return queue_full(str(exc))
+    if isinstance(exc, EngineUnavailableError):
+        return engine_unavailable(str(exc))
     if isinstance(exc, RequestFailedError):
         # The engine rejected or lost this one request; the server itself is fine.
         return APIError(
