@@ -150,6 +150,9 @@ def join(group: ProcessGroup) -> ProcessGroup:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # one process compiles each group-wide program, the others fetch its binary (through the
+    # coordinator): the same executable everywhere, and no host compiles minutes after another
+    jax.config.update("jax_share_binary_between_hosts", True)
     timeout = max(1, int(group.join_timeout))
     if not group.is_leader and group.coordinator_address is not None:
         # JAX aborts the process when its coordinator never answers: find it first, and say so if not
@@ -236,23 +239,36 @@ def serialize_cpu_programs() -> None:
 
     pjit._get_fastpath_data = lambda *a, **k: None
     run = pxla.ExecuteReplicated.__call__
-    first_runs: dict[int, Any] = {}  # every program this process ran, in order (kept: ids stay unique)
+    seen: dict[int, Any] = {}  # every program this process ran (kept, so their ids stay unique)
+    first_runs: list[Any] = []  # the group-wide ones, in the order of their first run
 
     def run_to_end(self: Any, *args: Any) -> Any:
-        if id(self) not in first_runs:
-            # A program's first run follows its compile, which takes longer on one host than another;
-            # gloo gives up on peers 30 s late. Every process runs the same programs in the same order,
-            # so they all meet here once per program before its first collective.
-            first_runs[id(self)] = self
-            client = jax_distributed.global_state.client
-            if client is not None:
-                client.wait_at_barrier(f"vsurge-program-{len(first_runs)}", FIRST_RUN_BARRIER_MS)
+        if id(self) not in seen:
+            seen[id(self)] = self
+            if _spans_processes(self):
+                # A program's first run follows its compile, which takes longer on one host than
+                # another; gloo gives up on peers 30 s late. Every process runs the same group-wide
+                # programs in the same order, so they all meet here once per program.
+                first_runs.append(self)
+                client = jax_distributed.global_state.client
+                if client is not None:
+                    client.wait_at_barrier(f"vsurge-program-{len(first_runs)}", FIRST_RUN_BARRIER_MS)
         out = run(self, *args)
         jax.block_until_ready(out)
         return out
 
     pxla.ExecuteReplicated.__call__ = run_to_end
     _SERIALIZED = True
+
+
+def _spans_processes(execute: Any) -> bool:
+    """Whether a program's inputs or outputs live on another process's devices too (a local program,
+    such as a PRNG key made on one device, runs on this process alone)."""
+    shardings = [
+        *getattr(execute.in_handler, "in_shardings", ()),
+        *getattr(execute.out_handler, "out_shardings", ()),
+    ]
+    return any(not getattr(s, "is_fully_addressable", True) for s in shardings)
 
 
 def check_mesh(mesh: Any) -> None:

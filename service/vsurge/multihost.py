@@ -49,6 +49,9 @@ def run_worker(cfg: Any, group: ProcessGroup) -> int:
 
     worker = None
     try:
+        from .cli import _enable_compilation_cache
+
+        _enable_compilation_cache()  # as the leader: binaries shared between hosts go through it
         mesh = _mesh(cfg)
         say(f"loading {cfg.model} (mesh {dict(mesh.shape)})")
         extra = {"quantization": cfg.quantization} if hasattr(cfg, "quantization") else {}

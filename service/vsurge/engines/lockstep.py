@@ -228,7 +228,7 @@ class LeaderLane:
 
     def check(self) -> None:
         if self.failure is not None:
-            raise EngineUnavailableError(f"the multi-host engine is unavailable: {self.failure}")
+            raise EngineUnavailableError(f"a process of the multi-host group is gone ({self.failure})")
 
     def _watch(self, pid: int, conn: socket.socket) -> None:
         while not self._closed and self.failure is None:
@@ -397,7 +397,7 @@ class LockstepSurge:
             self._lane.close()
 
     def _unavailable(self) -> EngineUnavailableError:
-        return EngineUnavailableError(f"the multi-host engine is unavailable: {self._lane.failure}")
+        return EngineUnavailableError(f"a process of the multi-host group is gone ({self._lane.failure})")
 
     async def complete(self, request: Any):
         if self._lane.failure is not None:
@@ -466,13 +466,14 @@ def leader_surge(
 
 def exit_on_failure(lane: LeaderLane, api: Any, grace: float = EXIT_GRACE_S) -> None:
     """Once the lane breaks: in-flight requests get their 503 (``grace`` seconds), then the server stops
-    with an error (exit status 1); a hard exit 10 s later if a device call still hangs on the dead peer."""
+    with an error (exit status 1); a hard exit 5 s later if a device call or JAX's shutdown still waits for
+    the dead peer."""
 
     def stop(reason: str) -> None:
         def later() -> None:
             time.sleep(grace)
-            api.fatal = EngineUnavailableError(f"the multi-host engine is unavailable: {reason}")
-            time.sleep(10.0)
+            api.fatal = EngineUnavailableError(f"a process of the multi-host group is gone ({reason})")
+            time.sleep(5.0)
             print("[vsurge] exiting: a process of the multi-host group is gone", file=sys.stderr, flush=True)
             os._exit(1)
 
