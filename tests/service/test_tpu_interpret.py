@@ -87,10 +87,16 @@ def test_interpreted_kernel_in_shard_map_equals_reference(spec):
     """The Mosaic kernel itself, interpreted, inside the shard_map it runs in on TPU."""
     why = ps.interpret_failure()
     if why is not None:
+        known = "ReshapeTransform" in why  # jax 0.10: the interpreter indexes refs, it cannot reshape one
         pytest.skip(
             "jax.experimental.pallas.ops.tpu.ragged_paged_attention cannot run in Pallas' TPU interpret mode "
-            f"here ({why}): its kernel reshapes a VMEM ref, which the interpreter's ref indexing does not "
-            "support; the shard_map wrapping runs with the reference kernel in the other tests"
+            f"here ({why})"
+            + (
+                ": its kernel reshapes a VMEM ref, which the interpreter's ref indexing does not support"
+                if known
+                else ""
+            )
+            + "; the shard_map wrapping runs with the reference kernel in the other tests"
         )
     q, pages, table = _inputs(np.random.RandomState(0))
     kv_lens = jnp.asarray([1, 6, 10, 16], jnp.int32)
