@@ -204,10 +204,12 @@ class LeaderLane:
         threading.Thread(target=self._ping_loop, name="vsurge-lane-ping", daemon=True).start()
 
     # ------------------------------------------------------------------ faults
-    def on_failure(self, fn: Callable[[str], None]) -> None:
+    def on_failure(self, fn: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``fn(reason)`` once the lane breaks (at once if it is broken); returns its remover."""
         self._callbacks.append(fn)
         if self.failure is not None:
             fn(self.failure)
+        return lambda: self._callbacks.remove(fn) if fn in self._callbacks else None
 
     def fail(self, reason: str) -> None:
         with self._send_lock:
@@ -353,7 +355,7 @@ class LeaderEngine:
 def engine_setup(engine: Any, config: Any) -> dict[str, Any]:
     """What a worker needs to build the same engine: the config (the mesh as its spec), with the KV
     cache's size fixed to the leader's page count (free memory differs a little from host to host)."""
-    setup: dict[str, Any] = {"config": config}
+    setup: dict[str, Any] = {"config": config, "mesh": dict(engine.mesh.shape) if engine.mesh else None}
     storage = getattr(engine, "storage", None)
     if storage is not None:
         setup["config"] = config.replace(kv_cache_bytes=int(storage.nbytes))
@@ -404,7 +406,7 @@ class LockstepSurge:
             raise self._unavailable()
         loop = asyncio.get_running_loop()
         failed = asyncio.Event()
-        self._lane.on_failure(lambda _reason: loop.call_soon_threadsafe(failed.set))
+        forget = self._lane.on_failure(lambda _reason: loop.call_soon_threadsafe(failed.set))
         agen = self._surge.complete(request)
         waiter = asyncio.ensure_future(failed.wait())
         try:
@@ -427,6 +429,7 @@ class LockstepSurge:
                     raise
                 yield item
         finally:
+            forget()
             waiter.cancel()
             await agen.aclose()
 
@@ -601,6 +604,8 @@ class Worker:
                 del result
 
     def _build(self, setup: dict[str, Any]) -> None:
+        if setup.get("mesh") != dict(self.mesh.shape):
+            self._fatal(f"mesh {dict(self.mesh.shape)}, the leader's is {setup.get('mesh')}")
         config = setup["config"].replace(mesh=self.mesh)
         self.engine = build_engine(self.model, self.processor, config)
         want = setup.get("num_pages")
