@@ -242,7 +242,9 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         self.step_seqs = min(STEP_SEQS, self.max_concurrent_decodes)
         # a step's chunk tokens never exceed the budget, nor usefully max_length (one prompt's worth)
         self.step_tokens = step_token_buckets(min(self.token_budget, self.max_length))
-        self.step_rows = [0] + list(self.decode_rows)
+        # a prefill-only step runs with the smallest row count, all rows idle: one program fewer per
+        # chunk bucket to compile, for the cost of a few idle rows
+        self.step_rows = list(self.decode_rows)
         self._mixed = {
             (r, p): jax.jit(
                 partial(mixed_forward, self.graphdef, layout=self._layout(r, p), page_size=ps),
@@ -250,7 +252,6 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             )
             for r in self.step_rows
             for p in self.step_tokens
-            if r or p
         }
         self._seat_chunk = jax.jit(
             partial(seat_chunk, seat=partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings)),
@@ -290,7 +291,7 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
 
     def step_shape(self, num_rows: int, num_tokens: int) -> tuple[int, int]:
         """The (rows, chunk tokens) program covering ``num_rows`` leading slots and ``num_tokens``."""
-        r = next((r for r in self.step_rows if r >= num_rows), None) if num_rows else 0
+        r = next((r for r in self.step_rows if r >= num_rows), None)
         p = next((p for p in self.step_tokens if p >= num_tokens), None)
         if r is None or p is None:
             raise ValueError(f"no step program for {num_rows} rows and {num_tokens} chunk tokens")
@@ -409,7 +410,7 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             self.params, state.pages, state.tokens, state.positions, table, meta
         )
         state, out = state._replace(pages=pages), None
-        if rows:
+        if num_rows:
             state, out = self._sample[rows](state, dec_logits)
         firsts = []
         for k, c in enumerate(chunks):
