@@ -205,6 +205,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--driver", choices=["vdriver", "odriver"], nargs="+", default=["vdriver"])
+    ap.add_argument(
+        "--quantization",
+        choices=["none", "int8"],
+        default="none",
+        help="weights: as stored, or int8 (weight-only)",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-mixed", action="store_true")
     ap.add_argument("--json", help="also write the results here")
@@ -218,7 +224,7 @@ def main(argv=None) -> int:
 
         src = str(default_model_path())
     t = time.perf_counter()
-    model, tok = vsurge.load_model(src)
+    model, tok = vsurge.load_model(src, quantization=args.quantization)
     print(f"# loaded {src} in {time.perf_counter() - t:.2f}s", file=sys.stderr)
     rng = np.random.RandomState(0)
     vocab = model.config.vocab_size
