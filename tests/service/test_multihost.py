@@ -201,6 +201,7 @@ def _serve_and_compare(tmp_path, checkpoint, processes, devices, mesh, driver) -
 
 
 @pytest.mark.slow  # compiles a sharded engine in two processes: minutes on 2 shared cores
+@pytest.mark.timeout(1800)
 def test_two_processes_tp8_vdriver_then_a_worker_dies(tmp_path, checkpoint):
     group = _serve_and_compare(tmp_path, checkpoint, 2, 4, "tp=8", "vdriver")
     try:
@@ -237,6 +238,7 @@ def test_two_processes_tp8_vdriver_then_a_worker_dies(tmp_path, checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_two_processes_dp2_tp4_odriver_then_a_worker_hangs(tmp_path, checkpoint):
     group = _serve_and_compare(tmp_path, checkpoint, 2, 4, "dp=2,tp=4", "odriver")
     try:
@@ -252,6 +254,7 @@ def test_two_processes_dp2_tp4_odriver_then_a_worker_hangs(tmp_path, checkpoint)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_four_processes_two_devices_each(tmp_path, checkpoint):
     group = _serve_and_compare(tmp_path, checkpoint, 4, 2, "tp=8", "vdriver")
     try:
@@ -279,3 +282,72 @@ def test_a_worker_without_a_leader_exits_with_a_message(tmp_path):
     assert proc.returncode != 0
     assert "process 1 could not join the group of 2 processes" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 60
+
+
+# ------------------------------------------------------------------------------------ the lane, in one process
+
+
+def test_the_step_lane_replays_every_call_on_a_second_engine(checkpoint):
+    """Leader and worker engines in one process (one device, no collectives), joined by a real step lane:
+    the worker's engine, fed only what crosses the lane, makes the leader's tokens; a worker that goes
+    silent breaks the lane and every later call says so."""
+    import threading
+
+    import jax
+    import numpy as np
+
+    import vsurge
+    from vsurge.distributed import EngineUnavailableError
+    from vsurge.engine_config import EngineConfig
+    from vsurge.engines import lockstep
+    from vsurge.sampling_params import SamplingParams
+
+    model_dir, reference = checkpoint
+    model, tok = vsurge.load_model(model_dir)
+    _, coordinator = _ports()
+    group = ProcessGroup(f"127.0.0.1:{coordinator}", 2, 0, "options")
+    lane = lockstep.LeaderLane(group, host="127.0.0.1")
+    exits = []
+    worker = lockstep.Worker(
+        ProcessGroup(group.coordinator_address, 2, 1, "options"), model, tok, None, exit=exits.append
+    )
+    done = {}
+    threading.Thread(
+        target=lambda: (worker.connect(30), done.setdefault("rc", worker.run())), daemon=True
+    ).start()
+    lane.accept(30)
+    config = EngineConfig(max_concurrent_decodes=2, max_length=64, prefill_lengths=(32,))
+    engine = lockstep.build_engine(model, tok, config)
+    lane._send(("engine", lockstep.engine_setup(engine, config)))
+    proxy = lockstep.LeaderEngine(engine, lane)
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    state = proxy.init_decode_state()
+    rows = [[] for _ in PROMPTS]
+    for slot, prompt in enumerate(PROMPTS):
+        prefix = proxy.prefill(prompt, greedy)
+        state, first = proxy.insert(prefix, state, slot, length=len(prompt))
+        rows[slot].append(int(np.asarray(first.tokens)[0]))
+    for _ in range(MAX_TOKENS - 1):
+        state, out = proxy.decode(state)
+        for slot, t in enumerate(np.asarray(out.tokens)[: len(PROMPTS)]):
+            rows[slot].append(int(t))
+    assert rows == reference and not exits
+    # the worker ran the same calls: its decode state holds the same next tokens as the leader's
+    deadline = time.monotonic() + 30
+    while worker._calls < lane._calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    n = lane._calls - 1  # the last decode: its result leaves are handles (n, i) on the worker
+    leader_leaves = jax.tree_util.tree_leaves((state, out))
+    tokens_index = next(i for i, x in enumerate(leader_leaves) if x is state.tokens)
+    assert np.array_equal(np.asarray(worker.handles[(n, tokens_index)]), np.asarray(state.tokens))
+    assert proxy.check_prompt([1, 2, 3]) == 3 and lane._calls == n + 1  # host-only: not sent
+
+    # the worker goes silent (no heartbeat): the lane breaks within its timeout, calls say so
+    worker._closed = True
+    t0 = time.monotonic()
+    assert lane.wait_failed(lockstep.LANE_TIMEOUT_S + 10), "the lane did not notice a silent worker"
+    assert time.monotonic() - t0 <= lockstep.LANE_TIMEOUT_S + 10
+    with pytest.raises(EngineUnavailableError, match="worker 1"):
+        proxy.decode(state)
+    lane.close()

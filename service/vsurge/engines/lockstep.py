@@ -491,8 +491,16 @@ def exit_on_failure(lane: LeaderLane, api: Any, grace: float = EXIT_GRACE_S) -> 
 class Worker:
     """A worker's end: connects to the leader's lane, builds the same engine, replays every call."""
 
-    def __init__(self, group: ProcessGroup, model: Any, processor: Any, mesh: Any):
+    def __init__(
+        self,
+        group: ProcessGroup,
+        model: Any,
+        processor: Any,
+        mesh: Any,
+        exit: Callable[[int], Any] = os._exit,
+    ):
         self.group = group
+        self._exit = exit  # the process's end (a test in one process passes its own)
         self.model, self.processor, self.mesh = model, processor, mesh
         self.engine: Any = None
         self.handles: dict[tuple[int, int], jax.Array] = {}
@@ -532,7 +540,8 @@ class Worker:
         if self._closed:
             return
         self._say(f"lost the leader's step lane ({why}); exiting")
-        os._exit(3)
+        self._closed = True
+        self._exit(3)
 
     def _read_loop(self) -> None:
         while not self._closed:
@@ -604,14 +613,15 @@ class Worker:
                 del result
 
     def _build(self, setup: dict[str, Any]) -> None:
-        if setup.get("mesh") != dict(self.mesh.shape):
-            self._fatal(f"mesh {dict(self.mesh.shape)}, the leader's is {setup.get('mesh')}")
+        shape = dict(self.mesh.shape) if self.mesh is not None else None
+        if setup.get("mesh") != shape:
+            self._fatal(f"mesh {shape}, the leader's is {setup.get('mesh')}")
         config = setup["config"].replace(mesh=self.mesh)
         self.engine = build_engine(self.model, self.processor, config)
         want = setup.get("num_pages")
         if want is not None and self.engine.storage.num_pages != want:
             self._fatal(f"KV cache of {self.engine.storage.num_pages} pages, the leader has {want}")
-        self._say(f"engine built ({config.driver}, mesh {dict(self.mesh.shape)}); replaying the leader")
+        self._say(f"engine built ({config.driver}, mesh {shape}); replaying the leader")
 
     def _fatal(self, reason: str) -> None:
         self._say(f"diverged from the leader: {reason}; exiting")
@@ -624,4 +634,4 @@ class Worker:
                 send_frame(self._sock, pickle.dumps(("error", reason)))
             with contextlib.suppress(OSError):
                 self._sock.close()
-        os._exit(1)
+        self._exit(1)
