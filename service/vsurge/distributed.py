@@ -150,9 +150,6 @@ def join(group: ProcessGroup) -> ProcessGroup:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # one process compiles each group-wide program, the others fetch its binary (through the
-    # coordinator): the same executable everywhere, and no host compiles minutes after another
-    jax.config.update("jax_share_binary_between_hosts", True)
     timeout = max(1, int(group.join_timeout))
     if not group.is_leader and group.coordinator_address is not None:
         # JAX aborts the process when its coordinator never answers: find it first, and say so if not

@@ -51,7 +51,7 @@ def run_worker(cfg: Any, group: ProcessGroup) -> int:
     try:
         from .cli import _enable_compilation_cache
 
-        _enable_compilation_cache()  # as the leader: binaries shared between hosts go through it
+        _enable_compilation_cache()  # as the leader does: a restart skips most of the compile
         mesh = _mesh(cfg)
         say(f"loading {cfg.model} (mesh {dict(mesh.shape)})")
         extra = {"quantization": cfg.quantization} if hasattr(cfg, "quantization") else {}

@@ -287,7 +287,7 @@ def test_a_worker_without_a_leader_exits_with_a_message(tmp_path):
 # ------------------------------------------------------------------------------------ the lane, in one process
 
 
-def test_the_step_lane_replays_every_call_on_a_second_engine(checkpoint):
+def test_the_step_lane_replays_every_call_on_a_second_engine(checkpoint, monkeypatch):
     """Leader and worker engines in one process (one device, no collectives), joined by a real step lane:
     the worker's engine, fed only what crosses the lane, makes the leader's tokens; a worker that goes
     silent breaks the lane and every later call says so."""
@@ -302,6 +302,7 @@ def test_the_step_lane_replays_every_call_on_a_second_engine(checkpoint):
     from vsurge.engines import lockstep
     from vsurge.sampling_params import SamplingParams
 
+    monkeypatch.setattr(lockstep, "LANE_TIMEOUT_S", 5.0)  # the silent worker below is noticed sooner
     model_dir, reference = checkpoint
     model, tok = vsurge.load_model(model_dir)
     _, coordinator = _ports()
