@@ -30,6 +30,7 @@ ENGINE_FLAGS = {
     "--mesh": "VSURGE_MESH",
     "--seed": "VSURGE_SEED",
     "--attention": "VSURGE_ATTENTION",
+    "--quantization": "VSURGE_QUANTIZATION",
 }
 
 
