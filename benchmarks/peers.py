@@ -111,7 +111,9 @@ def discover(opts: Any, concurrency: int) -> list[Peer | Skipped]:
                 binary, "serve", hf_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                 "--served-model-name", "smollm2",
             ]  # fmt: skip
-            out.append(Peer(name, argv + shlex.split(opts.vllm_args or ""), port, "/health"))
+            # the CPU platform even where the vllm dist-info's version lacks "+cpu" (README: peers)
+            env = {"VLLM_TARGET_DEVICE": "cpu"}
+            out.append(Peer(name, argv + shlex.split(opts.vllm_args or ""), port, "/health", env))
         else:  # llama.cpp
             binary = _binary(opts.llama_server, "LLAMA_SERVER", "llama-server")
             if binary is None:
