@@ -103,6 +103,10 @@ def _spec(a: Any) -> Any:
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
 
 
+def _zeros_of(spec: Any) -> Any:
+    return jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
+
+
 def _entry(rows: SlotSampling, j, key) -> SlotSampling:
     return SlotSampling(*(a[j][None] for a in rows))._replace(key=key[None])
 
@@ -505,7 +509,8 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         """Compile what structured output adds: the split step (model, then the masked sampler) per row
         count and the masked first token. Not part of `compile`: only an engine that serves a constrained
         request pays for them, on a background thread (the driver holds constrained requests until this
-        returns; other requests go on). Lowered from shapes, so it never touches the live state."""
+        returns; other requests go on). Compiled from shapes and run once on a throwaway state, so it never
+        touches the live one."""
         say = progress or log.info
         t0 = time.perf_counter()
         if self._specs is not None:
@@ -530,6 +535,18 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             jobs.append(("masked first token", self._first, (*first_args, mask_spec((1, words)))))
             with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
                 list(pool.map(lambda job: job[1].lower(*job[2]).compile(), jobs))
+            # one real call of each on a throwaway state: the jit dispatch caches then hold the live
+            # signatures (tracing and lowering happen here, never on the step thread)
+            dummy, pre = jax.tree.map(_zeros_of, (state, prefix))
+            for r in self._forward:
+                dummy, logits = self._forward[r](self.params, dummy, np.int32(1))
+                dummy, out = self._sample_masked[r](dummy, logits, np.full((r, words), -1, np.int32))
+            ones = np.full((1, words), -1, np.int32)
+            first = self._first(
+                self.params, pre.hidden, pre.sampling, pre.prompt_mask, np.int32(0), key, ones
+            )
+            jax.block_until_ready((out, first))
+            del dummy, pre
         self.structured_ready.set()
         say(f"compiled the structured-output programs in {time.perf_counter() - t0:.1f}s")
         return time.perf_counter() - t0
