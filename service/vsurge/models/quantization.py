@@ -21,7 +21,7 @@ the lm_head's output-channel scale, so one int8 table serves the lookup and the 
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -79,10 +79,15 @@ def quantize_on_device(
     weight will be (so no device holds more than its shard of it), and only the int8 result and the scales
     stay. One tensor at a time: the model never exists in full precision on the device."""
     placed = jax.device_put(w, q_sharding)
-    fn = jax.jit(partial(_quantize, axis=axis), out_shardings=(q_sharding, s_sharding))
-    q, scale = fn(placed)
+    q, scale = _placed_quantizer(axis, q_sharding, s_sharding)(placed)
     del placed
     return q, scale
+
+
+@lru_cache(maxsize=64)
+def _placed_quantizer(axis: int, q_sharding: jax.sharding.Sharding, s_sharding: jax.sharding.Sharding):
+    # one jitted function per (axis, shardings): a model's few weight shapes compile once each
+    return jax.jit(partial(_quantize, axis=axis), out_shardings=(q_sharding, s_sharding))
 
 
 def dequantize(q: jax.Array, scale: jax.Array, axis: int, dtype: Any) -> jax.Array:
