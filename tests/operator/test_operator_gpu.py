@@ -82,7 +82,9 @@ def test_gpu_placement_manifests(gpu_spec, selector):
     }
     assert pod["nodeSelector"] == {"pool": "gpu", **selector}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert not any("google.com/tpu" in str(v) for v in (pod["tolerations"], pod["containers"][0]["resources"]))
+    assert not any(
+        "google.com/tpu" in str(v) for v in (pod["tolerations"], pod["containers"][0]["resources"])
+    )
     mesh = env(m).get("VSURGE_MESH")
     assert mesh == (None if gpu_spec["count"] == 1 else f"tp={gpu_spec['count']}")
     for obj in manifests.desired_objects(m):

@@ -232,3 +232,50 @@ def test_engine_serves_int8_weights(tiny_checkpoint, driver):
     finally:
         s.stop()
     assert got == want
+
+
+# --------------------------------------------------------------------------------------- the default model
+
+PROSE = (
+    "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night the keeper "
+    "climbed the narrow stairs, trimmed the wick and wound the clockwork that turned the great lens. Ships "
+    "passing in the dark saw the beam sweep across the water and knew where the rocks were. In the winter the "
+    "storms were fierce, and the wind pulled at the shutters until the whole tower seemed to hum. The keeper "
+    "kept a logbook in which he wrote the weather, the ships he saw and the small events of his days: a seal "
+    "on the rocks, a gull with a broken wing, the first frost on the grass. When the lamp was finally replaced "
+    "by an electric light that needed no keeper, the logbooks were sent to the town museum, where children now "
+    "read them and try to imagine the long nights alone above the sea. Scientists later used the same notes to "
+    "study how the climate of the coast had changed, because few other records from that time were so careful "
+    "and so complete. Many people who visit the museum say that the simple entries move them more than any "
+    "painting. They describe a life of patience and attention, of small duties done well, and of a quiet pride "
+    "in keeping others safe. Today the tower is open in summer, and visitors can climb the stairs, look out "
+    "over the bay and read a copy of the final entry, written on the night the keeper left: the light is "
+    "burning, the sea is calm, and all is well."
+)
+
+
+@pytest.mark.slow
+def test_default_model_int8_against_float32():
+    """SmolLM2-135M-Instruct: teacher-forced top-1 agreement and KL of int8 against float32 over a passage of
+    prose and the model's own greedy answer to a chat prompt; weights about half of bfloat16."""
+    f32, tok = vsurge.load_model("default")
+    int8, _ = vsurge.load_model("default", quantization="int8")
+    bf16, _ = vsurge.load_model("default", dtype="bfloat16")
+    assert 0.45 < weight_bytes(int8) / weight_bytes(bf16) < 0.55
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    prompt = tok(chat)["input_ids"]
+    answer = prompt + reference.greedy_generate(f32, [prompt], 256)[0]
+    texts = [tok(PROSE)["input_ids"], answer]
+    agree, kls = [], []
+    for ids in texts:
+        base, other = reference.logits(f32, [ids])[0], reference.logits(int8, [ids])[0]
+        agree.append(base.argmax(-1) == other.argmax(-1))
+        p, q = _log_softmax(base), _log_softmax(other)
+        kls.append((np.exp(p) * (p - q)).sum(-1))
+    top1, kl = float(np.concatenate(agree).mean()), float(np.concatenate(kls).mean())
+    print(f"int8 vs float32 over {sum(map(len, texts))} tokens: top-1 {top1:.4f}, mean KL {kl:.5f}")
+    assert top1 >= 0.98 and kl < 0.01, (top1, kl)
