@@ -82,7 +82,9 @@ def bench_llguidance(tok, vocab: int, eos: int, reps: int) -> None:
                 assert (mask[0, tid // 32] >> (tid % 32)) & 1, f"{label}: token {tid} masked out"
                 assert m.consume_token(tid), m.get_error()
             assert m.is_stopped() or m.is_accepting()
-        print(f"  {label:12s} compile {np.median(compile_s) * 1e3:6.1f} ms   mask {_pct(times)}  ({len(times)} steps)")
+        print(
+            f"  {label:12s} compile {np.median(compile_s) * 1e3:6.1f} ms   mask {_pct(times)}  ({len(times)} steps)"
+        )
 
 
 def bench_xgrammar(tok, vocab: int, eos: int, reps: int) -> None:
@@ -117,7 +119,9 @@ def bench_xgrammar(tok, vocab: int, eos: int, reps: int) -> None:
                 assert (mask[0, tid // 32] >> (tid % 32)) & 1, f"{label}: token {tid} masked out"
                 assert m.accept_token(tid)
             assert m.is_terminated()
-        print(f"  {label:12s} compile {np.median(compile_s) * 1e3:6.1f} ms   mask {_pct(times)}  ({len(times)} steps)")
+        print(
+            f"  {label:12s} compile {np.median(compile_s) * 1e3:6.1f} ms   mask {_pct(times)}  ({len(times)} steps)"
+        )
 
 
 def main() -> None:

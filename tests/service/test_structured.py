@@ -49,7 +49,8 @@ def test_mask_is_honoured_under_sampling_and_ones_rows_change_nothing():
     s = 8
     logits = jnp.asarray(rng.normal(size=(s, V)).astype(np.float32) * 3)
     params = [
-        SP(temperature=1.0, seed=i, top_k=(0, 5, 0, 50)[i % 4], top_p=(1.0, 1.0, 0.9, 1.0)[i % 4]) for i in range(s)
+        SP(temperature=1.0, seed=i, top_k=(0, 5, 0, 50)[i % 4], top_p=(1.0, 1.0, 0.9, 1.0)[i % 4])
+        for i in range(s)
     ]
     params[3] = SP(temperature=0.0)
     params[5] = SP(temperature=1.3, seed=5, repetition_penalty=1.5, frequency_penalty=0.5)
