@@ -60,8 +60,10 @@ def prompts(tok: Any, kind: str, rows: int, seed: int = 0) -> list[list[int]]:
             msg = f"Repeat the following text exactly, word for word.\n\n{text}"
         else:
             msg = " ".join(rng.choice(WORDS) for _ in range(60 + i))
-        ids = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": msg}], tokenize=False, add_generation_prompt=True
+        )
+        out.append(list(tok(text, add_special_tokens=False)["input_ids"]))
     return out
 
 
