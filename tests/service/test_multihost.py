@@ -89,7 +89,7 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
-        VSURGE_LANE_TIMEOUT="5",
+        VSURGE_LANE_TIMEOUT="20",  # 2 shared cores: a starved leader may not ping for seconds
     )
     env.update(extra)
     return env
@@ -242,10 +242,10 @@ def test_two_processes_tp8_vdriver_then_a_worker_dies(tmp_path, checkpoint):
 def test_two_processes_dp2_tp4_odriver_then_a_worker_hangs(tmp_path, checkpoint):
     group = _serve_and_compare(tmp_path, checkpoint, 2, 4, "dp=2,tp=4", "odriver")
     try:
-        os.kill(group.procs[1].pid, signal.SIGSTOP)  # alive but silent: the heartbeat times out (5 s here)
+        os.kill(group.procs[1].pid, signal.SIGSTOP)  # alive but silent: the heartbeat times out (20 s here)
         t0 = time.monotonic()
         rc = group.procs[0].wait(timeout=60)
-        assert rc != 0 and time.monotonic() - t0 < 30, group.log(0)
+        assert rc != 0 and time.monotonic() - t0 < 60, group.log(0)
         assert "worker 1 sent no heartbeat" in group.log(0)
     finally:
         with __import__("contextlib").suppress(ProcessLookupError):
