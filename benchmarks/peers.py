@@ -110,6 +110,9 @@ def discover(opts: Any, concurrency: int) -> list[Peer | Skipped]:
             argv = [
                 binary, "serve", hf_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                 "--served-model-name", "smollm2",
+                # on the CPU backend this is the fraction of host memory vLLM reserves; its default (0.92)
+                # refuses to start when anything else holds memory: 20% of 24 GiB holds weights + KV
+                "--gpu-memory-utilization", "0.2",
             ]  # fmt: skip
             # the CPU platform even where the vllm dist-info's version lacks "+cpu" (README: peers)
             env = {"VLLM_TARGET_DEVICE": "cpu"}
