@@ -30,6 +30,7 @@ ENGINE_FLAGS = {
     "--mesh": "VSURGE_MESH",
     "--seed": "VSURGE_SEED",
     "--attention": "VSURGE_ATTENTION",
+    "--max-num-batched-tokens": "VSURGE_MAX_NUM_BATCHED_TOKENS",
     "--quantization": "VSURGE_QUANTIZATION",
 }
 
