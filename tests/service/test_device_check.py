@@ -60,3 +60,4 @@ def test_reduced_run(capsys):
         ("int8", "paged"),
     ]
     assert all(c["ok"] for c in result["parity"]), result["parity"]
+    assert all(len(set(c["want"])) > 2 for c in result["parity"]), result["parity"]  # not one repeated token
