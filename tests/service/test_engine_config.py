@@ -180,6 +180,7 @@ def _pod_env_names() -> dict[str, str]:
             "hbm_utilization": 0.5,
             "dtype": "bfloat16",
             "mesh": "tp=4",
+            "quantization": "int8",
         }.get(f.name, 64)
     engine = spec.EngineSpec(**full_engine)
 
@@ -235,10 +236,17 @@ def test_every_vsurge_variable_on_a_pod_is_read_by_vsurge_serve(monkeypatch, tmp
     assert engine_spec_vars <= options, (
         f"the operator sets variables vsurge serve ignores: {engine_spec_vars - options}"
     )
-    # and what the operator writes there parses
-    cfg = parse_serve_config([], {n: pod[n] for n in engine_spec_vars})
+    # and what the operator writes there parses, once Kubernetes has expanded $(VAR) references
+    # (the multi-host pods take their process group from the LeaderWorkerSet's variables)
+    lws = {"LWS_LEADER_ADDRESS": "m-0.m.ns", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+
+    def expand(value: str) -> str:
+        return re.sub(r"\$\((\w+)\)", lambda m: lws.get(m.group(1), pod.get(m.group(1), m.group(0))), value)
+
+    cfg = parse_serve_config([], {n: expand(pod[n]) for n in engine_spec_vars})
     assert (cfg.driver, cfg.page_size, cfg.prefill_lengths, cfg.mesh) == ("odriver", 64, [128, 256], "tp=4")
     assert cfg.engine.max_concurrent_decodes == 64 and cfg.dtype == "bfloat16"
+    assert cfg.engine.quantization == "int8"
     for name in set(pod) & set(SOURCE_ENV):
         assert f'"{name}"' in inspect.getsource(importlib.import_module(SOURCE_ENV[name])), name
     from vsurge.models import default_model
