@@ -133,6 +133,20 @@ def test_cancel_frees_slot_at_once(surge):
     assert asyncio.run(run()) == 0
 
 
+def test_largest_bucket_may_equal_max_length(tiny):
+    # default buckets run up to max_length; such a bucket holds max_length - 1 prompt tokens
+    model, tok = tiny
+    s = vSurge.create_vdriver(model, tok, max_concurrent_decodes=2, max_length=64)
+    assert s.driver.engines[0].prefill_lengths[-1] == 64
+    s.compile()
+    s.start()
+    try:
+        _, ids, finish = asyncio.run(collect(s, ids_request(list(range(3, 66)), 5)))
+    finally:
+        s.stop()
+    assert len(ids[0]) == 1 and finish[0] == "length"
+
+
 def test_max_length_ends_with_length(surge):
     _, ids, finish = asyncio.run(collect(surge, ids_request(list(range(3, 63)), 500)))
     assert len(ids[0]) == MAX_LEN - 60 and finish[0] == "length"

@@ -471,8 +471,10 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         t0 = time.perf_counter()
         state = self.init_decode_state()
         greedy = [SamplingParams(temperature=0.0, max_tokens=1)]
+        # a bucket of max_length holds at most max_length - 1 prompt tokens (one is generated)
+        warm = {n: [1] * min(n, self.max_prompt_length) for n in self.prefill_lengths}
         jobs = [
-            (f"prefill bucket {n}", self._prefill, (self.params, *self._pack([[1] * n], greedy, None)))
+            (f"prefill bucket {n}", self._prefill, (self.params, *self._pack([warm[n]], greedy, None)))
             for n in self.prefill_lengths
         ]
         jobs += [
@@ -490,7 +492,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             for line in pool.map(build, jobs):
                 say(line)
         for n in self.prefill_lengths:  # warm every program on the real state
-            state, first = self.insert(self.prefill([1] * n, greedy[0]), state, 0)
+            state, first = self.insert(self.prefill(warm[n], greedy[0]), state, 0)
         # a chunked prefill through every bucket, with prompt logprobs, then its (longer) row's insert
         self.warm_chunked()
         state, first = self.insert(self.prefill_chunked([1] * self.max_prompt_length, greedy[0])[0], state, 0)
