@@ -106,6 +106,19 @@ def _block_pages(num_pages: int, page_size: int) -> int:
     return max(b for b in range(1, min(most, num_pages) + 1) if num_pages % b == 0)
 
 
+def _online_softmax_block(carry, qg, ks, vs, ok):
+    """One block of a page walk: fold keys/values ks, vs [S, n, KVH, D] (mask ok [S, n, 1, 1]) into the
+    running (max, denominator, weighted sum) of queries qg [S, KVH, G, D]."""
+    m, denom, acc = carry
+    scores = jnp.sum(qg[:, None] * ks[:, :, :, None, :], axis=-1)  # [S, n, KVH, G]
+    m_new = jnp.maximum(m, jnp.max(jnp.where(ok, scores, _NEG), axis=1))
+    p = jnp.where(ok, jnp.exp(scores - m_new[:, None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    denom = denom * corr + jnp.sum(p, axis=1)
+    acc = acc * corr[..., None] + jnp.sum(p[..., None] * vs[:, :, :, None, :], axis=1)
+    return m_new, denom, acc
+
+
 def decode_over_pages(q, cache, view, positions, page_size: int, window: int | None) -> jnp.ndarray:
     """q [S, 1, H, D] over the pages in view [S, NB] of a split cache: a walk over blocks of pages with an
     online softmax, so no gathered copy of the whole context is ever made."""
@@ -118,18 +131,11 @@ def decode_over_pages(q, cache, view, positions, page_size: int, window: int | N
     qg = q[:, 0].reshape(s, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
 
     def body(j, carry):
-        m, denom, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(view, j * blk, blk, axis=1)
         ks = kc[ids].reshape(s, n, kvh, d).astype(jnp.float32)
         vs = vc[ids].reshape(s, n, kvh, d).astype(jnp.float32)
-        scores = jnp.sum(qg[:, None] * ks[:, :, :, None, :], axis=-1)  # [S, n, KVH, G]
         ok = _mask(positions[:, None], j * n + jnp.arange(n)[None, :], window)[:, :, None, None]
-        m_new = jnp.maximum(m, jnp.max(jnp.where(ok, scores, _NEG), axis=1))
-        p = jnp.where(ok, jnp.exp(scores - m_new[:, None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        denom = denom * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[..., None] + jnp.sum(p[..., None] * vs[:, :, :, None, :], axis=1)
-        return m_new, denom, acc
+        return _online_softmax_block(carry, qg, ks, vs, ok)
 
     init = (
         jnp.full((s, kvh, g), _NEG, jnp.float32),
@@ -265,17 +271,10 @@ def decode_rows_over_pages(q, cache, view, kv_lens, page_size: int, window: int 
     positions = kv_lens - 1
 
     def body(j, carry):
-        m, denom, acc = carry
         ks, vs = gather_kv(cache, jax.lax.dynamic_slice_in_dim(view, j * blk, blk, axis=1))
         ks, vs = ks.astype(jnp.float32), vs.astype(jnp.float32)  # [S, n, KVH, D]
-        scores = jnp.sum(qg[:, None] * ks[:, :, :, None, :], axis=-1)  # [S, n, KVH, G]
         ok = _mask(positions[:, None], j * n + jnp.arange(n)[None, :], window)[:, :, None, None]
-        m_new = jnp.maximum(m, jnp.max(jnp.where(ok, scores, _NEG), axis=1))
-        p = jnp.where(ok, jnp.exp(scores - m_new[:, None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        denom = denom * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[..., None] + jnp.sum(p[..., None] * vs[:, :, :, None, :], axis=1)
-        return m_new, denom, acc
+        return _online_softmax_block(carry, qg, ks, vs, ok)
 
     init = (
         jnp.full((s, kvh, g), _NEG, jnp.float32),
