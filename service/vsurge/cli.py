@@ -107,6 +107,14 @@ def _engine_option(f: Any) -> Option:
 ENGINE_OPTIONS: tuple[Option, ...] = tuple(_engine_option(f) for f in serve_fields())
 ENGINE_FIELDS = frozenset(o.dest for o in ENGINE_OPTIONS)
 
+
+def _tool_call_parser(text: str) -> str:
+    # read at parse time: importing the server package for its list would slow every `vsurge` command
+    from vsurge.server.tool_parsers import PARSERS
+
+    return parse_choice(*PARSERS)(text)
+
+
 SERVE_OPTIONS: tuple[Option, ...] = (
     Option(
         "--model",
@@ -175,6 +183,15 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "seconds SIGTERM waits for requests in flight",
         "S",
     ),
+    Option(
+        "--tool-call-parser",
+        "VSURGE_TOOL_CALL_PARSER",
+        _tool_call_parser,
+        None,
+        "how tool calls read back under tool_choice auto: hermes, llama3_json or mistral "
+        "(default: the family the chat template writes)",
+        "NAME",
+    ),
     # A multi-host slice (vsurge/distributed.py): unset, a LeaderWorkerSet's LWS_* variables decide.
     Option(
         "--coordinator-address",
@@ -226,6 +243,7 @@ class ServeConfig:
     num_processes: int | None = None
     process_id: int | None = None
     join_timeout: float = 300.0
+    tool_call_parser: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -317,6 +335,18 @@ def _enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def build_api(cfg: ServeConfig) -> Any:
+    """The server with `cfg`'s server options and no model yet (startup adds it)."""
+    from vsurge.server import vSurgeApiServer
+
+    return vSurgeApiServer(
+        api_key=cfg.api_key,
+        max_body_bytes=cfg.max_body_bytes,
+        drain_timeout_s=cfg.drain_timeout,
+        tool_call_parser=cfg.tool_call_parser,
+    )
+
+
 def run_serve(cfg: ServeConfig) -> int:
     from vsurge import multihost
     from vsurge.server import vSurgeApiServer
@@ -330,9 +360,7 @@ def run_serve(cfg: ServeConfig) -> int:
     if group is not None and not group.is_leader:
         return multihost.run_worker(cfg, group)
     leader = multihost.Leader(group) if group is not None else None
-    api = vSurgeApiServer(
-        api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, drain_timeout_s=cfg.drain_timeout
-    )
+    api = build_api(cfg)
 
     def startup(api: vSurgeApiServer, say: Callable[[str], None]) -> None:
         say(f"loading model {cfg.model}")

@@ -52,7 +52,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not _in_cluster_suite(item):
             continue
         item.add_marker(pytest.mark.cluster)
-        item.add_marker(pytest.mark.slow)  # boots etcd + kube-apiserver + controllers: make test-fast skips it
+        # boots etcd + kube-apiserver + controllers: make test-fast skips it
+        item.add_marker(pytest.mark.slow)
         if reason:
             item.add_marker(pytest.mark.skip(reason=f"cluster test skipped: {reason}"))
 

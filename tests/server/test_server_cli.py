@@ -138,3 +138,19 @@ def test_engine_options_reach_the_engine(tiny_dir, driver):
     if driver == "vdriver":  # the paged engine schedules prefill chunks its own way
         assert engine.max_concurrent_prefill == 5
     assert (engine.max_length, engine.prefill_lengths) == (96, [16, 32])
+
+
+def test_tool_call_parser_reaches_the_server():
+    from vsurge.cli import build_api
+    from vsurge.server.tool_parsers import PARSERS
+
+    help_text = next(o.help for o in SERVE_OPTIONS if o.env == "VSURGE_TOOL_CALL_PARSER")
+    assert all(name in help_text for name in PARSERS)  # the help names every parser there is
+    for name in PARSERS:
+        cfg = parse_serve_config(["--tool-call-parser", name], {})
+        assert build_api(cfg).tool_call_parser == name
+    from_env = parse_serve_config([], {"VSURGE_TOOL_CALL_PARSER": "mistral"})
+    assert build_api(from_env).tool_call_parser == "mistral"
+    assert build_api(parse_serve_config([], {})).tool_call_parser is None  # read from the chat template
+    with pytest.raises(ConfigError, match="VSURGE_TOOL_CALL_PARSER='pythonic'"):
+        parse_serve_config([], {"VSURGE_TOOL_CALL_PARSER": "pythonic"})

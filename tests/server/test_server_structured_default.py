@@ -72,6 +72,7 @@ def default_client():
     api = vSurgeApiServer({"smol": surge})
     running = start(api, host="127.0.0.1", port=0, metrics_port=-1, warm_up=True, progress=None)
     try:
+        running.wait_ready(1200)  # compiling the default model's programs takes minutes on 2 cores
         yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="x", max_retries=0, timeout=600)
     finally:
         running.stop()
