@@ -36,6 +36,7 @@ __all__ = [
     "ProcessGroup",
     "check_mesh",
     "join",
+    "put_host",
     "resolve",
 ]
 
@@ -44,6 +45,21 @@ LANE_PORT_OFFSET = 1  # the step lane: coordinator port + 1 (8477 by default)
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 # What a LeaderWorkerSet injects into every pod of a group (read here, set by the LWS controller).
 LWS_VARIABLES = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
+
+
+def put_host(value: Any, sharding: Any) -> Any:
+    """A host array placed on ``sharding`` with no collective, also when the sharding spans processes.
+
+    ``jax.device_put`` onto a sharding with devices of other processes first checks with them that the
+    value is the same everywhere (a collective). The leader's driver puts its page table before the call
+    that uses it goes down the step lane, so the workers never join that check and the leader waits forever.
+    Each process here fills only its own devices' shards from its own copy.
+    """
+    import jax
+
+    if jax.process_count() == 1 or sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 class EngineUnavailableError(RuntimeError):

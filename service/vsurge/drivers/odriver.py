@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..distributed import put_host
 from ..engine_config import EngineConfig
 from ..engines.mixed_step import ChunkWork
 from ..engines.oengine import oEngine
@@ -107,7 +108,7 @@ class PagedSteps:
         chunks, self._chunks = [c for c in self._chunks if sched.holds(c.seq)], []
         if self._version != sched.table_version:
             self._version = sched.table_version
-            self._table = jax.device_put(sched.table.copy(), eng._replicated())
+            self._table = put_host(sched.table.copy(), eng._replicated())
         now = time.time()
         work = []
         for c in chunks:

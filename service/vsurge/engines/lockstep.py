@@ -50,7 +50,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ..distributed import EngineUnavailableError, ProcessGroup
+from ..distributed import EngineUnavailableError, ProcessGroup, put_host
 from ..request import RequestFailedError
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,9 @@ class _Decoder(pickle.Unpickler):
         if kind == "v":
             _, value, spec = pid
             mesh = self.worker.engine.mesh
-            return jax.device_put(value, NamedSharding(mesh, spec) if spec is not None else None)
+            if spec is None:
+                return jax.device_put(value)
+            return put_host(value, NamedSharding(mesh, spec))
         return None
 
 
