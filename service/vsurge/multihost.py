@@ -39,6 +39,14 @@ def _mesh(cfg: Any) -> Any:
     return mesh
 
 
+def holding(model: Any) -> str:
+    """What this process holds of the model (it read only those shards from the checkpoint)."""
+    from .models.loader import held_bytes
+
+    local, total = held_bytes(model)
+    return f"holds {local / 2**20:.3f} MiB of the model's {total / 2**20:.3f} MiB (its devices' shards)"
+
+
 def run_worker(cfg: Any, group: ProcessGroup) -> int:
     """A worker's whole life: load the model's shards, connect to the leader, replay its engine calls."""
     from . import load_model
@@ -56,6 +64,7 @@ def run_worker(cfg: Any, group: ProcessGroup) -> int:
         say(f"loading {cfg.model} (mesh {dict(mesh.shape)})")
         extra = {"quantization": cfg.quantization} if hasattr(cfg, "quantization") else {}
         model, processor = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, **extra)
+        say(holding(model))
         worker = Worker(group, model, processor, mesh)
         host, port = group.lane_address()
         say(f"connecting to the leader's step lane at {host}:{port}")
@@ -85,6 +94,7 @@ class Leader:
     def surge(self, cfg: Any, model: Any, processor: Any, mesh: Any, api: Any) -> Any:
         from .engines.lockstep import exit_on_failure, leader_surge
 
+        print(f"[vsurge] {holding(model)}", file=sys.stderr, flush=True)
         self.lane.accept(cfg.join_timeout)
         exit_on_failure(self.lane, api)
         config = cfg.engine.replace(mesh=mesh)

@@ -9,6 +9,7 @@ The serving matrix (processes x devices x mesh x driver) compiles a whole engine
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -186,11 +187,23 @@ def _greedy_tokens(client, prompt: list[int]) -> list[int]:
     return list(r.choices[0].model_extra["token_ids"])
 
 
+def _held(group: Group, i: int) -> tuple[float, float]:
+    m = re.search(r"holds ([0-9.]+) MiB of the model's ([0-9.]+) MiB", group.logs[i].read_text())
+    assert m, group.log(i)
+    return float(m.group(1)), float(m.group(2))
+
+
 def _serve_and_compare(tmp_path, checkpoint, processes, devices, mesh, driver) -> Group:
     model, reference = checkpoint
     group = Group(tmp_path, model, processes, devices, mesh, driver)
     try:
         group.wait_ready()
+        for i in range(processes):
+            local, total = _held(group, i)
+            if mesh == "tp=8":  # tp spans the processes: each holds (and read) only its devices' shards
+                assert local < total * 0.75, (i, local, total)
+            else:  # dp=2 over two processes: each holds a whole tp=4 replica
+                assert local == total, (i, local, total)
         client = _client(group)
         got = [_greedy_tokens(client, p) for p in PROMPTS]
         assert got == reference, f"{processes}x{devices} {mesh} {driver}: {got} != {reference}"

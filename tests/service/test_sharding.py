@@ -48,3 +48,35 @@ def test_rules_skip_axes_that_do_not_divide():
     assert spec_for("model/layers/0/self_attn/k_proj/kernel", (64, 32), mesh, LLAMA_RULES) == P(None, "tp")
     assert spec_for("model/layers/0/self_attn/k_proj/kernel", (64, 6), mesh, LLAMA_RULES) == P(None, None)
     assert spec_for("model/norm/weight", (64,), mesh, LLAMA_RULES) == P(None)
+
+
+class _Recorded(np.ndarray):
+    """A tensor that notes every slice read from it (as a memory map would be read)."""
+
+    reads: list
+
+    def __getitem__(self, index):
+        if isinstance(self.base, _Recorded) or not hasattr(self, "reads"):
+            return super().__getitem__(index)
+        self.reads.append(np.asarray(super().__getitem__(index)).shape)
+        return super().__getitem__(index)
+
+
+def test_placement_reads_each_devices_shard_alone(tiny_checkpoint):
+    """The loader reads a tensor shard by shard (what a process of a multi-host group needs: only its
+    devices' slices), never whole, and places it without jax.device_put's cross-process check."""
+    from vsurge.models.loader import held_bytes, place
+
+    mesh = make_mesh("tp=4")
+    host = np.arange(32 * 16, dtype=np.float32).reshape(32, 16).view(_Recorded)
+    host.reads = []
+    arr = place(host, NamedSharding(mesh, P(None, "tp")), np.float32)
+    assert host.reads and set(host.reads) == {(32, 4)}  # 4 column shards, no read of the whole
+    np.testing.assert_array_equal(np.asarray(arr), np.asarray(host))
+    # a single device still gets the whole tensor
+    one = place(np.ones((3, 2), np.float32), jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    assert one.shape == (3, 2)
+
+    model, _ = vsurge.load_model(tiny_checkpoint("llama", heads=8, kv_heads=4)[0], mesh="tp=4")
+    local, total = held_bytes(model)
+    assert local == total  # one process: each distinct shard of every parameter is here, counted once

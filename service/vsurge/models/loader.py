@@ -101,9 +101,42 @@ def build_model(
             var.set_value(q)
             flat[scale_path].set_value(scale)
             continue
-        var.set_value(jax.device_put(np.ascontiguousarray(arr.astype(dtype)), sharding))
+        var.set_value(place(arr, sharding, dtype))
     model = nnx.merge(graphdef, state)
     return model
+
+
+def place(arr: np.ndarray, sharding: jax.sharding.Sharding, dtype: Any = None) -> jax.Array:
+    """`arr` (a memory-mapped tensor, in our layout) onto `sharding`, shard by shard: each device's slice is
+    read from the map and converted alone, so a process of a multi-host group reads only what its own
+    devices hold (no process holds the full model), the tensor is never copied whole, and no collective
+    runs (``jax.device_put`` onto other processes' devices would first compare the whole value with them)."""
+
+    def shard(index: Any) -> np.ndarray:
+        part = arr[index]
+        return np.ascontiguousarray(part if dtype is None else part.astype(dtype))
+
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.device_put(shard(()), sharding)
+    return jax.make_array_from_callback(tuple(arr.shape), sharding, shard)
+
+
+def held_bytes(model: nnx.Module) -> tuple[int, int]:
+    """(bytes of the model's parameters on this process's devices counting each distinct shard once,
+    bytes of the whole model): what a process of a multi-host group holds of it."""
+    local = total = 0
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value()
+        if not isinstance(value, jax.Array):
+            continue
+        total += value.nbytes
+        seen = set()
+        for s in value.addressable_shards:
+            key = tuple((sl.start, sl.stop) for sl in s.index)
+            if key not in seen:
+                seen.add(key)
+                local += s.data.nbytes
+    return local, total
 
 
 def _quantized(name, arr, blocks, transposed, sharding, scale_path, mesh, rules, where):
@@ -113,15 +146,12 @@ def _quantized(name, arr, blocks, transposed, sharding, scale_path, mesh, rules,
     if blocks is not None:  # GGUF Q8_0: int8 [rows, cols] and block scales [rows, cols/32], HF layout
         q, scale = (b.T for b in blocks) if transposed else blocks
         s_sharding = sharding_for("/".join(map(str, scale_path)), scale.shape, mesh, rules)
-        return (
-            jax.device_put(np.ascontiguousarray(q), sharding),
-            jax.device_put(np.ascontiguousarray(scale), s_sharding),
-        )
+        return place(q, sharding), place(scale, s_sharding)
     s_shape = tuple(1 if i == axis else n for i, n in enumerate(arr.shape))
     s_sharding = sharding_for("/".join(map(str, scale_path)), s_shape, mesh, rules)
     if arr.dtype not in (np.float32, np.float16) and arr.dtype.name != "bfloat16":
         raise CheckpointError(f"{where}: tensor {name!r} of dtype {arr.dtype} cannot be quantized to int8")
-    return quantize_on_device(np.ascontiguousarray(arr), axis, sharding, s_sharding)
+    return quantize_on_device(place(arr, sharding), axis, sharding, s_sharding)
 
 
 def _read_config(directory: str) -> dict[str, Any]:

@@ -73,12 +73,13 @@ def quantize(w: Any, axis: int) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_on_device(
-    w: np.ndarray, axis: int, q_sharding: jax.sharding.Sharding, s_sharding: jax.sharding.Sharding
+    w: np.ndarray | jax.Array, axis: int, q_sharding: jax.sharding.Sharding, s_sharding: jax.sharding.Sharding
 ) -> tuple[jax.Array, jax.Array]:
     """Quantize one checkpoint tensor at load: it goes to the devices in its own dtype, sharded as the int8
     weight will be (so no device holds more than its shard of it), and only the int8 result and the scales
-    stay. One tensor at a time: the model never exists in full precision on the device."""
-    placed = jax.device_put(w, q_sharding)
+    stay. One tensor at a time: the model never exists in full precision on the device. `w` may already be
+    placed on `q_sharding` (the loader places it shard by shard)."""
+    placed = w if isinstance(w, jax.Array) else jax.device_put(w, q_sharding)
     q, scale = _placed_quantizer(axis, q_sharding, s_sharding)(placed)
     del placed
     return q, scale
