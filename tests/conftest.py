@@ -12,3 +12,20 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "vsurge", "jax-tests")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+import pytest  # noqa: E402 - after the environment above, which must precede any jax import
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: `make test` runs the suite on two workers
+def pytest_xdist_make_scheduler(config, log):
+    """Whole test files go to a worker, so a module's fixtures (a compiled engine, a started server) are
+    built once; all of tests/cluster goes to one, which boots the one cluster they share."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/cluster" if path.startswith("tests/cluster/") else path
+
+    return FileScheduling(config, log)

@@ -43,6 +43,12 @@ __all__ = [
 COORDINATOR_PORT = 8476  # JAX's coordinator on the leader (the port JAX's TPU detection uses too)
 LANE_PORT_OFFSET = 1  # the step lane: coordinator port + 1 (8477 by default)
 DEFAULT_JOIN_TIMEOUT_S = 300.0
+# The step lane's own fault detection (engines/lockstep.py): a peer silent this long breaks the lane.
+LANE_TIMEOUT_S = float(os.environ.get("VSURGE_LANE_TIMEOUT", "10"))  # tests lengthen it on 2 cores
+# JAX's coordination service aborts every process once a peer misses heartbeats (it fired ~18 s into a
+# 30 s setting here): kept well above the lane's, so the lane notices first and in-flight requests get
+# their 503 engine_unavailable and the leader its clear message before JAX's abort.
+JAX_HEARTBEAT_TIMEOUT_S = int(max(30.0, 4 * LANE_TIMEOUT_S + 20))
 # What a LeaderWorkerSet injects into every pod of a group (read here, set by the LWS controller).
 LWS_VARIABLES = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
 
@@ -172,14 +178,16 @@ def join(group: ProcessGroup) -> ProcessGroup:
         wait_for_coordinator(group, group.join_timeout)
     try:
         if group.source == "tpu":
-            jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=30)
+            jax.distributed.initialize(
+                initialization_timeout=timeout, heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S
+            )
         else:
             jax.distributed.initialize(
                 group.coordinator_address,
                 group.num_processes,
                 group.process_id,
                 initialization_timeout=timeout,
-                heartbeat_timeout_seconds=30,
+                heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S,
             )
     except Exception as e:  # noqa: BLE001 - said in our words, with what JAX said
         role = "the leader" if group.is_leader else f"process {group.process_id}"

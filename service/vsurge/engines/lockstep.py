@@ -50,13 +50,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ..distributed import EngineUnavailableError, ProcessGroup, put_host
+from ..distributed import LANE_TIMEOUT_S, EngineUnavailableError, ProcessGroup, put_host
 from ..request import RequestFailedError
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
-LANE_TIMEOUT_S = float(os.environ.get("VSURGE_LANE_TIMEOUT", "10"))  # tests shorten it
 EXIT_GRACE_S = 2.0  # after a failure, in-flight requests get their 503 before the leader exits
 # Engine methods that only compute on the host from the engine's settings: run on the leader alone.
 LOCAL_METHODS = frozenset(
