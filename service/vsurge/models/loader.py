@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .quantization import check_quantization, quantize_on_device
+from .quantization import check_quantization, groups_for, quantize_on_device
 from .registry import architecture_for
 from .safetensors_io import ShardedCheckpoint
 from .sharding import make_mesh, sharding_for
@@ -147,11 +147,21 @@ def _quantized(name, arr, blocks, transposed, sharding, scale_path, mesh, rules,
         q, scale = (b.T for b in blocks) if transposed else blocks
         s_sharding = sharding_for("/".join(map(str, scale_path)), scale.shape, mesh, rules)
         return place(q, sharding), place(scale, s_sharding)
-    s_shape = tuple(1 if i == axis else n for i, n in enumerate(arr.shape))
-    s_sharding = sharding_for("/".join(map(str, scale_path)), s_shape, mesh, rules)
     if arr.dtype not in (np.float32, np.float16) and arr.dtype.name != "bfloat16":
         raise CheckpointError(f"{where}: tensor {name!r} of dtype {arr.dtype} cannot be quantized to int8")
-    return quantize_on_device(place(arr, sharding), axis, sharding, s_sharding)
+    groups = groups_for(arr.shape[axis], _shards(sharding, axis))
+    s_shape = tuple(groups if i == axis else n for i, n in enumerate(arr.shape))
+    s_sharding = sharding_for("/".join(map(str, scale_path)), s_shape, mesh, rules)
+    return quantize_on_device(place(arr, sharding), axis, sharding, s_sharding, groups)
+
+
+def _shards(sharding: Any, axis: int) -> int:
+    """How many devices split `axis` of an array with this sharding."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None or axis >= len(spec) or spec[axis] is None:
+        return 1
+    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+    return int(np.prod([sharding.mesh.shape[n] for n in names]))
 
 
 def _read_config(directory: str) -> dict[str, Any]:

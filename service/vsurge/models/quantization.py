@@ -4,9 +4,10 @@ A quantized weight is a pair ``(q, scale)``:
 
 * ``q``: int8, in the weight's own layout (a Linear kernel ``[in, out]``, the embedding ``[vocab, hidden]``);
 * ``scale``: float32 with one entry per output channel and per group of the contraction axis:
-  ``[G, out]`` for a kernel, ``[vocab, G]`` for the embedding. ``G == 1`` is per-output-channel symmetric
-  int8 (what ``quantize`` makes from a bf16/f32 checkpoint); ``G == in / 32`` is GGUF Q8_0 kept as it is
-  stored (its f16 block scales, no second rounding).
+  ``[G, out]`` for a kernel, ``[vocab, G]`` for the embedding. From a bf16/f32 checkpoint, symmetric int8
+  per output channel in groups of ``GROUP_SIZE`` (64) inputs, ``G == in / 64`` (``G == 1``, one scale per
+  channel, where 64 does not divide ``in`` or a device would hold part of a group: `groups_for`);
+  ``G == in / 32`` is GGUF Q8_0 kept as it is stored (its f16 block scales, no second rounding).
 
 The weight is ``q * scale`` (each scale broadcast over its group). With ``G == 1`` the scale is applied to
 the matmul's output (``(x @ q) * scale``: exact, and the cheapest); with groups it is applied to the weight
@@ -15,8 +16,8 @@ matmul's operand fusion, so only int8 is read from memory. XLA:CPU does not: it 
 weight in float32 before its gemm, so on CPU the matmul runs over output tiles (``TILE_BYTES`` of float
 each) in a loop, and the full-precision weight never exists there either.
 
-The embedding and the (tied or separate) lm_head are quantized too, per vocabulary row: the row scale is
-the lm_head's output-channel scale, so one int8 table serves the lookup and the logits of a tied model.
+The embedding and the (tied or separate) lm_head are quantized too, per vocabulary row (in groups of the
+hidden axis): the row scales are the lm_head's output-channel scales, so one int8 table serves the lookup and the logits of a tied model.
 """
 
 from __future__ import annotations
@@ -33,15 +34,21 @@ from ..engine_config import QUANTIZATIONS  # one list of choices: the config's
 
 __all__ = [
     "QUANTIZATIONS",
+    "GROUP_SIZE",
     "TILE_BYTES",
     "check_quantization",
     "dequantize",
     "embed_rows",
+    "groups_for",
     "int8_matmul",
     "quantize",
     "quantize_on_device",
 ]
 
+# Scales per output channel and per GROUP_SIZE inputs: one scale per whole channel put top-1 agreement
+# with f32 on the default model at 97.1%, groups of 64 at 98.1% (KL 0.0033 -> 0.0016), groups of 32 no
+# better than 64, for 4 more bytes per 64 weights (0.54x bf16 instead of 0.52x).
+GROUP_SIZE = 64
 # CPU only: the largest float tile of a weight one matmul step dequantizes (fits in L2).
 TILE_BYTES = 512 * 1024
 
@@ -57,38 +64,58 @@ def check_quantization(value: Any) -> str:
 # ------------------------------------------------------------------------------ making the int8 weights
 
 
-@partial(jax.jit, static_argnames=("axis",))
-def _quantize(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+def groups_for(n_in: int, shards: int = 1) -> int:
+    """Scale groups along a contraction axis of `n_in` split over `shards` devices: groups of GROUP_SIZE
+    when they divide it and each device holds whole groups, else one (per output channel)."""
+    if n_in % GROUP_SIZE or (n_in // GROUP_SIZE) % max(1, shards):
+        return 1
+    return n_in // GROUP_SIZE
+
+
+@partial(jax.jit, static_argnames=("axis", "groups"))
+def _quantize(w: jax.Array, axis: int, groups: int = 1) -> tuple[jax.Array, jax.Array]:
     wf = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(wf), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero channel stays zero with any scale
-    q = jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8)
-    return q, scale
+    shape, n = wf.shape, wf.shape[axis]
+    if axis == 0:  # kernel [in, out] -> [G, in/G, out]
+        grouped, over = wf.reshape(groups, n // groups, shape[1]), 1
+    else:  # embedding [vocab, hidden] -> [vocab, G, hidden/G]
+        grouped, over = wf.reshape(shape[0], groups, n // groups), 2
+    amax = jnp.max(jnp.abs(grouped), axis=over, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero group stays zero with any scale
+    q = jnp.clip(jnp.round(grouped / scale), -127, 127).astype(jnp.int8).reshape(shape)
+    return q, jnp.squeeze(scale, over)
 
 
-def quantize(w: Any, axis: int) -> tuple[jax.Array, jax.Array]:
-    """Per-channel symmetric int8 of `w`, reducing over `axis` (the contraction axis): (q, scale) with
-    scale's `axis` of size 1. Runs where `w` lives (host numpy arrays go to the default device)."""
-    return _quantize(jnp.asarray(w), axis)
+def quantize(w: Any, axis: int, groups: int = 1) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 of `w` per output channel, in `groups` groups along `axis` (the contraction axis):
+    (q, scale) with scale's `axis` of size `groups`. Runs where `w` lives (host arrays go to the default
+    device)."""
+    return _quantize(jnp.asarray(w), axis, groups)
 
 
 def quantize_on_device(
-    w: np.ndarray | jax.Array, axis: int, q_sharding: jax.sharding.Sharding, s_sharding: jax.sharding.Sharding
+    w: np.ndarray | jax.Array,
+    axis: int,
+    q_sharding: jax.sharding.Sharding,
+    s_sharding: jax.sharding.Sharding,
+    groups: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """Quantize one checkpoint tensor at load: it goes to the devices in its own dtype, sharded as the int8
     weight will be (so no device holds more than its shard of it), and only the int8 result and the scales
     stay. One tensor at a time: the model never exists in full precision on the device. `w` may already be
     placed on `q_sharding` (the loader places it shard by shard)."""
     placed = w if isinstance(w, jax.Array) else jax.device_put(w, q_sharding)
-    q, scale = _placed_quantizer(axis, q_sharding, s_sharding)(placed)
+    q, scale = _placed_quantizer(axis, groups, q_sharding, s_sharding)(placed)
     del placed
     return q, scale
 
 
 @lru_cache(maxsize=64)
-def _placed_quantizer(axis: int, q_sharding: jax.sharding.Sharding, s_sharding: jax.sharding.Sharding):
-    # one jitted function per (axis, shardings): a model's few weight shapes compile once each
-    return jax.jit(partial(_quantize, axis=axis), out_shardings=(q_sharding, s_sharding))
+def _placed_quantizer(
+    axis: int, groups: int, q_sharding: jax.sharding.Sharding, s_sharding: jax.sharding.Sharding
+):
+    # one jitted function per (axis, groups, shardings): a model's few weight shapes compile once each
+    return jax.jit(partial(_quantize, axis=axis, groups=groups), out_shardings=(q_sharding, s_sharding))
 
 
 def dequantize(q: jax.Array, scale: jax.Array, axis: int, dtype: Any) -> jax.Array:
