@@ -80,3 +80,13 @@ def test_placement_reads_each_devices_shard_alone(tiny_checkpoint):
     model, _ = vsurge.load_model(tiny_checkpoint("llama", heads=8, kv_heads=4)[0], mesh="tp=4")
     local, total = held_bytes(model)
     assert local == total  # one process: each distinct shard of every parameter is here, counted once
+
+
+def test_dense_engine_says_when_kv_heads_do_not_split(tiny_checkpoint, caplog):
+    from vsurge.engines.vengine import vEngine
+
+    path, _ = tiny_checkpoint("llama", heads=8, kv_heads=2)
+    model, tok = vsurge.load_model(path, mesh="tp=4")
+    with caplog.at_level("WARNING", logger="vsurge.engines.vengine"):
+        vEngine(model, tok, max_concurrent_decodes=2, prefill_lengths=[32], max_length=64, mesh="tp=4")
+    assert "2 kv heads do not split over tp=4" in caplog.text

@@ -195,6 +195,16 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self._setup(model, processor, config, smallest_rows=1)
         num_top_logprobs = self.num_top_logprobs
         self._state_shardings = self._make_state_shardings()
+        tp = self.mesh.shape["tp"] if self.mesh is not None else 1
+        if self.config.num_kv_heads % tp:
+            # correct but costly: every tp device holds the whole dense cache; said, never silent
+            log.warning(
+                "the model's %d kv heads do not split over tp=%d: the dense KV cache is replicated on "
+                "every device of the tp axis (use a tp that divides %d, or the paged driver, which refuses)",
+                self.config.num_kv_heads,
+                tp,
+                self.config.num_kv_heads,
+            )
         self._pos = np.zeros(self.max_concurrent_decodes, np.int64)  # host mirror, picks the decode bucket
         self._active = np.zeros(self.max_concurrent_decodes, bool)
 
