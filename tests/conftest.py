@@ -8,8 +8,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Engines built by different tests share shapes: a persistent compilation cache compiles each program once.
+# One per pytest-xdist worker: JAX writes an entry in place (no rename, no lock by default), so a worker
+# could read another's half-written program.
 os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "vsurge", "jax-tests")
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(
+        os.path.expanduser("~"),
+        ".cache",
+        "vsurge",
+        "jax-tests",
+        os.environ.get("PYTEST_XDIST_WORKER", "main"),
+    ),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
