@@ -9,17 +9,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Engines built by different tests share shapes: a persistent compilation cache compiles each program once.
 # One per pytest-xdist worker: JAX writes an entry in place (no rename, no lock by default), so a worker
-# could read another's half-written program.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(
-        os.path.expanduser("~"),
-        ".cache",
-        "vsurge",
-        "jax-tests",
-        os.environ.get("PYTEST_XDIST_WORKER", "main"),
-    ),
-)
+# could read another's half-written program. Workers inherit the controller's environment, so its default
+# is replaced here; a directory the user chose is kept.
+_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "vsurge", "jax-tests")
+if os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(_CACHE, "main")) == os.path.join(_CACHE, "main"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+        _CACHE, os.environ.get("PYTEST_XDIST_WORKER", "main")
+    )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
