@@ -204,7 +204,7 @@ def test_sigterm_drains_without_losing_requests(tiny_dir):
         for _ in range(SLOTS):  # every slot is generating
             assert streaming.acquire(timeout=120)
         # and every request has reached the server (the rest wait in the engine's queue)
-        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).json()["in_flight"] == n, timeout=30)
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).json()["in_flight"] == n, timeout=90)
         proc.send_signal(signal.SIGTERM)
         # draining: readiness is 503 and new work is refused while the streams are still running
         wait_for(lambda: httpx.get(f"{url}/readiness", timeout=5).status_code == 503, timeout=10)
