@@ -7,15 +7,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# Engines built by different tests share shapes: a persistent compilation cache compiles each program once.
-# One per pytest-xdist worker: JAX writes an entry in place (no rename, no lock by default), so a worker
-# could read another's half-written program. Workers inherit the controller's environment, so its default
-# is replaced here; a directory the user chose is kept.
-_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "vsurge", "jax-tests")
-if os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(_CACHE, "main")) == os.path.join(_CACHE, "main"):
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
-        _CACHE, os.environ.get("PYTEST_XDIST_WORKER", "main")
-    )
+# Engines built by different tests share shapes: a persistent compilation cache compiles each program once,
+# shared by the pytest-xdist workers and the servers they start. JAX writes an entry in place, so a reader
+# could see half of one: a size limit turns on JAX's file lock around every read and write (jax lru_cache).
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "vsurge", "jax-tests")
+)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
