@@ -33,6 +33,7 @@ __all__ = [
     "DRIVERS",
     "MAX_LENGTH_CAP",
     "QUANTIZATIONS",
+    "SPECULATIVE_METHODS",
     "EngineConfig",
     "driver_default",
     "env_name",
@@ -43,7 +44,11 @@ __all__ = [
 DEFAULT_SEED = 894  # the seed's engine seed, for requests without a seed of their own
 DRIVERS = ("vdriver", "odriver")
 ATTENTION_BACKENDS = ("auto", "pallas", "jax")  # paged attention (models/pallas_sharded.py)
-QUANTIZATIONS = ("none", "int8")  # weight quantization at load (models/quantization.py)
+QUANTIZATIONS = ("none", "int8")
+SPECULATIVE_METHODS = (
+    "none",
+    "ngram",
+)  # speculative decoding (engines/speculative.py)  # weight quantization at load (models/quantization.py)
 MAX_LENGTH_CAP = 2048  # max_length=None: the model's context, at most this
 
 # Defaults that differ by driver, for fields left at None (the engine fills them in).
@@ -269,6 +274,22 @@ class EngineConfig:
         metavar="N",
         shown="256, or 2 x max_concurrent_decodes if more",
     )
+    speculative: str = knob(
+        "none",
+        "speculative decoding: none, or ngram (prompt lookup: drafts copied from earlier in the prompt and "
+        "output, verified in one batched step; greedy output unchanged; vdriver)",
+        check=_one_of(*SPECULATIVE_METHODS),
+        serve=True,
+        text=parse_choice(*SPECULATIVE_METHODS),
+    )
+    num_speculative_tokens: int = knob(
+        4,
+        "draft tokens per sequence and step with --speculative ngram",
+        check=at_least(1),
+        serve=True,
+        text=parse_int,
+        metavar="K",
+    )
     interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
     max_decode_stall: float = knob(
         0.25,
@@ -298,6 +319,10 @@ class EngineConfig:
                     object.__setattr__(self, f.name, check(value))
                 except ValueError as e:
                     raise ValueError(f"{f.name}: {e}") from None
+        if self.speculative != "none" and self.driver != "vdriver":
+            raise ValueError(
+                f"speculative: {self.speculative} decoding runs on driver vdriver, not {self.driver}"
+            )
         mpl, ml = self.max_prefill_length, self.max_length
         if mpl is not None and ml is not None and mpl > ml:
             raise ValueError(f"max_prefill_length {mpl} exceeds max_length {ml}")

@@ -37,6 +37,7 @@ def test_every_option_reads_its_env_var():
         "VSURGE_API_KEY": "sekrit",
         "VSURGE_SSL_KEYFILE": "k.pem",
         "VSURGE_SSL_CERTFILE": "c.pem",
+        "VSURGE_NUM_SPECULATIVE_TOKENS": "6",
     }
     cfg = parse_serve_config([], env)
     assert (cfg.model, cfg.served_model_name, cfg.driver) == ("/models/llama/", "llama", "odriver")
@@ -45,6 +46,7 @@ def test_every_option_reads_its_env_var():
     assert (cfg.page_size, cfg.hbm_utilization, cfg.mesh, cfg.dtype) == (64, 0.8, "tp=4", "bfloat16")
     assert (cfg.host, cfg.port, cfg.resolved_metrics_port) == ("127.0.0.1", 9000, -1)
     assert (cfg.api_key, cfg.ssl_keyfile, cfg.ssl_certfile) == ("sekrit", "k.pem", "c.pem")
+    assert cfg.engine.num_speculative_tokens == 6
     documented = {o.env for o in SERVE_OPTIONS}
     assert set(env) <= documented
 
@@ -66,6 +68,8 @@ def test_flag_beats_env_and_names():
         ({"VSURGE_MAX_LENGTH": "0"}, "must be >= 1"),
         ({"VSURGE_SSL_KEYFILE": "k.pem"}, "needs both"),
         ({"VSURGE_PORT": "9000", "VSURGE_METRICS_PORT": "9000"}, "equals --port"),
+        ({"VSURGE_SPECULATIVE": "medusa"}, "VSURGE_SPECULATIVE"),
+        ({"VSURGE_DRIVER": "odriver", "VSURGE_SPECULATIVE": "ngram"}, "runs on driver vdriver, not odriver"),
     ],
 )
 def test_bad_env_values_name_the_variable(env, fragment):
@@ -138,6 +142,25 @@ def test_engine_options_reach_the_engine(tiny_dir, driver):
     if driver == "vdriver":  # the paged engine schedules prefill chunks its own way
         assert engine.max_concurrent_prefill == 5
     assert (engine.max_length, engine.prefill_lengths) == (96, [16, 32])
+    assert engine.speculator is None if driver == "vdriver" else not hasattr(engine, "speculator")
+
+
+def test_speculative_flags_reach_the_engine(tiny_dir):
+    import vsurge
+    from vsurge.cli import build_surge
+
+    flags = [
+        "--speculative",
+        "ngram",
+        "--num-speculative-tokens",
+        "2",
+        "--max-length=96",
+        "--prefill-lengths=16",
+    ]
+    surge = build_surge(parse_serve_config(flags, {}), *vsurge.load_model(tiny_dir))
+    engine = surge.driver.engines[0]
+    assert engine.speculator is not None and engine.speculator.k == 2
+    assert surge.metrics().spec_decode_draft_tokens_total == 0
 
 
 def test_tool_call_parser_reaches_the_server():

@@ -31,6 +31,8 @@ ENGINE_FLAGS = {
     "--seed": "VSURGE_SEED",
     "--attention": "VSURGE_ATTENTION",
     "--max-num-batched-tokens": "VSURGE_MAX_NUM_BATCHED_TOKENS",
+    "--speculative": "VSURGE_SPECULATIVE",
+    "--num-speculative-tokens": "VSURGE_NUM_SPECULATIVE_TOKENS",
     "--quantization": "VSURGE_QUANTIZATION",
 }
 
@@ -78,6 +80,9 @@ def test_none_means_the_default_and_lengths_are_normalized():
         ({"max_prefill_length": 512, "max_length": 256}, "max_prefill_length 512 exceeds max_length 256"),
         ({"max_decode_stall": -1}, "max_decode_stall: must be >= 0"),
         ({"mesh": " "}, "mesh: expected a mesh spec"),
+        ({"speculative": "eagle"}, "speculative: must be one of none, ngram"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens: must be >= 1, got 0"),
+        ({"driver": "odriver", "speculative": "ngram"}, "speculative: ngram decoding runs on driver vdriver"),
     ],
 )
 def test_bad_values_name_the_field(changes, fragment):

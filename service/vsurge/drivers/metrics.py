@@ -27,6 +27,9 @@ class DriverMetrics:
     pages_total: int | None = None
     preemptions_total: int = 0
     prefix_cache_hits_total: int = 0
+    # speculative decoding (None when it is off): draft tokens verified, and those accepted
+    spec_decode_draft_tokens_total: int | None = None
+    spec_decode_accepted_tokens_total: int | None = None
 
 
 @dataclass
@@ -52,6 +55,8 @@ class MetricsRecorder:
         self.generated_tokens = 0
         self.finished: Counter[str] = Counter()
         self.running = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
         self.observers: list[Callable[[RequestStats], None]] = []
 
     def request_started(self, req: ActiveRequest) -> None:
@@ -62,6 +67,12 @@ class MetricsRecorder:
     def tokens(self, n: int) -> None:
         with self._lock:
             self.generated_tokens += n
+
+    def drafted(self, drafts: int, accepted: int) -> None:
+        """A verify step checked ``drafts`` draft tokens and accepted ``accepted`` of them."""
+        with self._lock:
+            self.draft_tokens += drafts
+            self.accepted_tokens += accepted
 
     def request_finished(self, req: ActiveRequest, now: float) -> None:
         md = req.metadata

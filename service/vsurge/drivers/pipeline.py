@@ -250,18 +250,44 @@ class Pipeline:
                 owner = item.owner
                 if owner.index == 0 and not owner.req.samples[0].prompt_info_sent:
                     owner.req.num_cached_tokens = owner.cached_tokens  # usage.prompt_tokens_details
-                self._take(lane, owner, [np.asarray(x) for x in item.result], 0, max_length)
+                tokens, logprob, top_ids, top_lps = (np.asarray(x) for x in item.result)
+                self._take(lane, owner, int(tokens[0]), logprob[0], top_ids[0], top_lps[0], max_length)
                 self._flush([owner.req])
             else:
-                host = [np.asarray(x) for x in item.result]
-                touched: dict[int, ActiveRequest] = {}
-                for row, owner in enumerate(item.owners[: len(host[0])]):
-                    if owner is not None and self._take(lane, owner, host, row, max_length):
-                        touched[id(owner.req)] = owner.req
-                self._flush(touched.values())
+                self._flush(self._take_step(lane, item, max_length))
 
-    def _take(self, lane: Lane, owner: Any, host: list[np.ndarray], row: int, max_length: int) -> bool:
-        """Add row ``row``'s token to the owner's sample; True when it was taken."""
+    def _take_step(self, lane: Lane, item: Step, max_length: int) -> Iterable[ActiveRequest]:
+        """Account a decode step (one token per row) or a verify step (1..K+1 tokens per row: the
+        accepted draft and one more); returns the requests that got tokens."""
+        host = [np.asarray(x) for x in item.result]
+        tokens, logprob, top_ids, top_lps = host[:4]
+        multi = tokens.ndim == 2  # a VerifyStep: its fifth leaf is the accepted count per row
+        touched: dict[int, ActiveRequest] = {}
+        for row, owner in enumerate(item.owners[: len(tokens)]):
+            if owner is None:
+                continue
+            for t in range(int(host[4][row]) + 1 if multi else 1):
+                tok, lp = (
+                    (int(tokens[row, t]), logprob[row, t]) if multi else (int(tokens[row]), logprob[row])
+                )
+                if not self._take(lane, owner, tok, lp, top_ids[row], top_lps[row], max_length):
+                    break
+                touched[id(owner.req)] = owner.req
+                if owner.req.samples[owner.index].done:
+                    break  # finished (EOS, stop string, max_tokens) inside the draft: the rest is dropped
+        return touched.values()
+
+    def _take(
+        self,
+        lane: Lane,
+        owner: Any,
+        token: int,
+        logprob: float,
+        top_ids: np.ndarray,
+        top_lps: np.ndarray,
+        max_length: int,
+    ) -> bool:
+        """Add one token to the owner's sample; True when it was taken."""
         req = owner.req
         if req.cancelled:
             # a sample the step thread released on its own (max_tokens reached) may never be seen there
@@ -270,11 +296,8 @@ class Pipeline:
             return False
         if req.samples[owner.index].done or req.error is not None:
             return False
-        tokens, logprob, top_ids, top_lps = host
         try:
-            finish = req.add_token(
-                owner.index, int(tokens[row]), logprob[row], top_ids[row], top_lps[row], max_length
-            )
+            finish = req.add_token(owner.index, token, logprob, top_ids, top_lps, max_length)
         except Exception as e:
             self.fail(req, f"detokenization failed: {e}")
             req.cancel()  # the step thread frees its slots or pages

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from ..engine_config import EngineConfig
 from ..engines.vengine import vEngine
@@ -32,6 +33,7 @@ from ..structured.slots import SlotGrammars
 from .active_request import ActiveRequest
 from .lanes import Abort, FirstToken, Prefilled, PrefilledPack
 from .metrics import DriverMetrics
+from .ngram_drafts import NgramDrafts
 from .pipeline import Lane, Pipeline, StepLoop, drain
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,13 @@ class DenseSlots:
         # constrained requests wait here until the engine's structured programs are compiled
         self.held: collections.deque[Prefilled] = collections.deque()
         self._warming: threading.Thread | None = None
+        # n-gram speculation (speculative="ngram"): every slot's tokens on the host, for the proposer
+        spec = engine.speculator
+        self.drafts = (
+            NgramDrafts(engine.max_concurrent_decodes, spec.k, engine.max_length)
+            if spec is not None
+            else None
+        )
 
     @property
     def used(self) -> int:
@@ -80,6 +89,8 @@ class DenseSlots:
     def release(self, slot: int) -> None:
         self.owners[slot] = None
         self.grammars.release(slot)
+        if self.drafts is not None:
+            self.drafts.release(slot)
         self.engine.free_resource(slot)
         heapq.heappush(self.free, slot)
 
@@ -106,9 +117,26 @@ class DenseSlots:
 
     def step(self, state: Any) -> tuple[Any, Any, list[SlotOwner | None]]:
         self.last_step = time.monotonic()
-        if not self.grammars:
-            state, out = self.engine.decode(state)
+        if self.drafts is None:
+            state, out = self._decode(state)
             return state, out, list(self.owners)
+        # speculation: the proposer needs every step's tokens before the next step, so each is read here
+        if not self.grammars:
+            draft, num = self.drafts.propose()
+            if num.any():
+                state, out = self.engine.verify(state, draft, num)
+                accepted = np.asarray(out.num_accepted)
+                self.drafts.advance(np.asarray(out.tokens), accepted)
+                self.pipeline.metrics.drafted(int(num.sum()), int(accepted.sum()))
+                return state, out, list(self.owners)
+        state, out = self._decode(state)
+        self.drafts.advance(np.asarray(out.tokens))
+        return state, out, list(self.owners)
+
+    def _decode(self, state: Any) -> tuple[Any, Any]:
+        """One token for every live slot (structured slots under their token masks)."""
+        if not self.grammars:
+            return self.engine.decode(state)
         # a constrained slot is live: the model first, the masks while it runs, then the sampler
         state, logits = self.engine.decode_logits(state)
         for slot, reason in self.grammars.prepare():
@@ -118,7 +146,7 @@ class DenseSlots:
                 owner.req.cancel()
         state, out = self.engine.decode_sample(state, logits, self.grammars.mask)
         self.grammars.stepped(out.tokens)
-        return state, out, list(self.owners)
+        return state, out
 
     def stepped(self) -> None:
         self.driver._may_prefill.set()
@@ -220,6 +248,9 @@ class DenseSlots:
                 self.owners[slot] = owner
                 req.samples[i].slot = slot
                 self.grammars.sampled(slot, first.tokens)
+                if self.drafts is not None:
+                    first_token = int(np.asarray(first.tokens)[0])
+                    self.drafts.start(slot, req.prompt_ids, first_token, req.params, self.engine.max_length)
                 loop.send(FirstToken(owner, first))
         return state
 
@@ -254,6 +285,7 @@ class vDriver:  # noqa: N801 - the seed's name
             for e in self._decode_engines
         ]
         self._may_prefill = threading.Event()  # interleaved mode: set by the step thread once per step
+        self._speculative = any(e.speculator is not None for e in self._decode_engines)
 
     # ------------------------------------------------------------------ seed API
     @property
@@ -311,6 +343,8 @@ class vDriver:  # noqa: N801 - the seed's name
             prompt_tokens_total=m.prompt_tokens,
             generation_tokens_total=m.generated_tokens,
             finished_total=dict(m.finished),
+            spec_decode_draft_tokens_total=m.draft_tokens if self._speculative else None,
+            spec_decode_accepted_tokens_total=m.accepted_tokens if self._speculative else None,
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -12,17 +12,17 @@ top_p, min_p, min_tokens, structured output) must get ``num_draft = 0``: their t
 comes from the engine's own sampler on the same logits, so they decode exactly as without speculation.
 `plain_sampling(params)` says which requests may be given drafts.
 
-What is not here (drivers/vdriver.py, the step loop): proposing drafts needs each row's latest tokens on
-the host, so a speculative step reads its results before the next one is dispatched (the one-step-ahead
-overlap of ordinary decoding is lost on those steps), and the detokenize thread must accept up to K+1
-tokens per row per step (stopping at an EOS or stop string inside an accepted draft).
+The driver's side (drivers/vdriver.py, `DenseSlots`): proposing drafts needs each row's latest tokens on
+the host, so with speculation on every step's tokens are read before the next step is dispatched (the
+one-step-ahead overlap of ordinary decoding is given up), and the detokenize thread takes up to K+1 tokens
+per row per step (stopping at an EOS, stop string or max_tokens inside an accepted draft).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +33,19 @@ from ..models.attention import _NEG, _allowed
 from ..sampling_params import SamplingParams
 from .engine_base import constrain
 from .sampling import SlotSampling, sample
-from .speculative import VerifyResult, verify
+from .speculative import verify
 
-__all__ = ["DenseVerifyAttention", "SpeculativeVerifier", "plain_sampling"]
+__all__ = ["DenseVerifyAttention", "SpeculativeVerifier", "VerifyStep", "plain_sampling"]
+
+
+class VerifyStep(NamedTuple):
+    """One verify step's results, one row per decoded slot (the rows of the step's bucket)."""
+
+    tokens: jax.Array  # i32[R, K+1]; the first num_accepted + 1 are emitted, the rest are -1
+    logprob: jax.Array  # f32[R, K+1]; raw-model logprob of each emitted token
+    top_ids: jax.Array  # i32[R, T]: top logprobs at position 0 (rows without a draft)
+    top_logprobs: jax.Array  # f32[R, T]
+    num_accepted: jax.Array  # i32[R]; draft tokens accepted (0 for rows without a draft)
 
 
 def plain_sampling(params: SamplingParams) -> bool:
@@ -107,7 +117,9 @@ class DenseVerifyAttention:
         return out.reshape(s, t, h, d).astype(q.dtype), (kc, vc)
 
 
-def _verify_step_impl(graphdef, params, state, draft, num_draft, limit, *, rows: int, shardings):
+def _verify_step_impl(
+    graphdef, params, state, draft, num_draft, limit, *, rows: int, num_top: int, shardings
+):
     """One verify step over the first `rows` slots: forward K+1 tokens, verify, advance the state."""
     model = nnx.merge(graphdef, params)
     k = draft.shape[1]
@@ -121,12 +133,18 @@ def _verify_step_impl(graphdef, params, state, draft, num_draft, limit, *, rows:
     steps = state.steps[:rows]
     res = verify(logits, draft, num_draft, sampling.temperature, sampling.key, steps)
     # rows without a draft decode exactly as an ordinary step: the engine's sampler at position 0
-    plain = sample(logits[:, 0], sampling, state.counts[:rows], state.prompt_mask[:rows], steps)
+    plain = sample(logits[:, 0], sampling, state.counts[:rows], state.prompt_mask[:rows], steps, num_top)
     no_draft = num_draft == 0
     first = jnp.where(no_draft, plain.tokens, res.tokens[:, 0])
     tokens = res.tokens.at[:, 0].set(first)
     lp0 = jnp.where(no_draft, plain.logprob, res.logprob[:, 0])
-    res = VerifyResult(tokens, jnp.where(no_draft, 0, res.num_accepted), res.logprob.at[:, 0].set(lp0))
+    res = VerifyStep(
+        tokens,
+        res.logprob.at[:, 0].set(lp0),
+        plain.top_ids,
+        plain.top_logprobs,
+        jnp.where(no_draft, 0, res.num_accepted),
+    )
     emitted = res.num_accepted + 1
     last = jnp.take_along_axis(res.tokens, res.num_accepted[:, None], axis=1)[:, 0]
     r = jnp.arange(rows)
@@ -153,13 +171,41 @@ class SpeculativeVerifier:
         self.k = int(num_speculative_tokens)
         self._fns = {
             rows: jax.jit(
-                partial(_verify_step_impl, engine.graphdef, rows=rows, shardings=engine._state_shardings),
+                partial(
+                    _verify_step_impl,
+                    engine.graphdef,
+                    rows=rows,
+                    num_top=engine.num_top_logprobs,
+                    shardings=engine._state_shardings,
+                ),
                 donate_argnums=(1,),
             )
             for rows in engine.decode_rows
         }
 
-    def step(self, state: Any, draft: np.ndarray, num_draft: np.ndarray) -> tuple[Any, VerifyResult]:
+    def jobs(self, state: Any) -> list[tuple[str, Any, tuple]]:
+        """(name, program, example arguments) of every verify step, for the engine's compile()."""
+        eng = self.engine
+        return [
+            (
+                f"verify slots={r} k={self.k}",
+                fn,
+                (eng.params, state, np.zeros((r, self.k), np.int32), np.zeros(r, np.int32), np.int32(1)),
+            )
+            for r, fn in self._fns.items()
+        ]
+
+    def warm(self, state: Any) -> Any:
+        """Run every verify program once on the real state (as compile() does for decode)."""
+        eng = self.engine
+        for r, fn in self._fns.items():
+            state, out = fn(
+                eng.params, state, np.zeros((r, self.k), np.int32), np.zeros(r, np.int32), np.int32(1)
+            )
+        jax.block_until_ready(out)
+        return state
+
+    def step(self, state: Any, draft: np.ndarray, num_draft: np.ndarray) -> tuple[Any, VerifyStep]:
         """draft i32[S, K] and num_draft i32[S] for every slot (idle slots: 0). Blocks until the accepted
         counts are known (the engine's host mirror of each slot's length needs them)."""
         eng = self.engine

@@ -41,6 +41,7 @@ from .sampling import (
     set_slot,
     sharded_sampling,
 )
+from .spec_verify import SpeculativeVerifier, VerifyStep
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,12 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self._long_prefix = jax.jit(
             partial(_long_prefix_impl, entries=self.max_concurrent_prefill, vocab=self.config.vocab_size)
         )
+        # n-gram speculative decoding: the verify step per row bucket (spec_verify.py)
+        self.speculator = (
+            SpeculativeVerifier(self, config.num_speculative_tokens)
+            if config.speculative == "ngram"
+            else None
+        )
         self.compiled = False
 
     # ------------------------------------------------------------------ state
@@ -443,6 +450,16 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self._pos[live] += 1
         return state, out
 
+    def verify(
+        self, decode_state: GenerationState, draft: np.ndarray, num_draft: np.ndarray
+    ) -> tuple[GenerationState, VerifyStep]:
+        """A speculative step (``speculative="ngram"``): every live slot scores its last token and its
+        draft (draft i32[S, K], num_draft i32[S]; 0 for rows without one) and advances by 1..K+1 tokens.
+        Blocks until the accepted counts are known."""
+        if self.speculator is None:
+            raise RuntimeError("this engine was built without speculative decoding")
+        return self.speculator.step(decode_state, draft, num_draft)
+
     def decode_logits(self, decode_state: GenerationState) -> tuple[GenerationState, jax.Array]:
         """The first half of a structured step: dispatch the model over the live rows, as `decode` would,
         and return the logits (rows of the bucket) for `decode_sample`."""
@@ -491,6 +508,8 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             (f"decode slots={r}", fn, (self.params, state, np.int32(1))) for r, fn in self._decode.items()
         ]
         jobs += self.chunked.jobs()
+        if self.speculator is not None:
+            jobs += self.speculator.jobs(state)
 
         def build(job):
             name, fn, args = job
@@ -509,6 +528,8 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         for fn in self._decode.values():
             state, out = fn(self.params, state, np.int32(1))
         jax.block_until_ready(out)
+        if self.speculator is not None:
+            state = self.speculator.warm(state)
         # shapes for warm_structured, which may run later on another thread
         self._specs = jax.tree.map(_spec, (state, self.prefill([1], greedy[0])))
         self.free_resource(0)

@@ -104,6 +104,18 @@ _PAGE_GAUGES = (
     ("pages_used", "vsurge_kv_pages_used", "KV-cache pages in use (paged driver)."),
     ("pages_total", "vsurge_kv_pages_total", "KV-cache pages in total (paged driver)."),
 )
+_SPEC_COUNTERS = (
+    (
+        "spec_decode_draft_tokens_total",
+        "vsurge_spec_decode_draft_tokens",
+        "Draft tokens verified by speculative decoding.",
+    ),
+    (
+        "spec_decode_accepted_tokens_total",
+        "vsurge_spec_decode_accepted_tokens",
+        "Draft tokens accepted by speculative decoding.",
+    ),
+)
 _COUNTERS = (
     ("prompt_tokens_total", "vsurge_prompt_tokens", "Prompt tokens accepted."),
     ("generation_tokens_total", "vsurge_generation_tokens", "Tokens generated."),
@@ -156,6 +168,7 @@ class _EngineCollector(Collector):
             for name, m in snapshots:
                 c.add_metric([name], float(getattr(m, field, 0) or 0))
             yield c
+        yield from self._speculative(snapshots)
         fin = CounterMetricFamily(
             "vsurge_requests_finished",
             "Finished samples by finish reason.",
@@ -171,6 +184,27 @@ class _EngineCollector(Collector):
         for name, _ in snapshots:
             ready.add_metric([name], 1.0 if self._owner.is_ready() else 0.0)
         yield ready
+
+    @staticmethod
+    def _speculative(snapshots: list[tuple[str, Any]]) -> Iterator[Metric]:
+        """Speculative decoding's counters and acceptance rate, for the models that run it."""
+        spec = [
+            (n, m) for n, m in snapshots if getattr(m, "spec_decode_draft_tokens_total", None) is not None
+        ]
+        for field, metric, doc in _SPEC_COUNTERS:
+            c = CounterMetricFamily(metric, doc, labels=["model"])
+            for name, m in spec:
+                c.add_metric([name], float(getattr(m, field) or 0))
+            yield c
+        rate = GaugeMetricFamily(
+            "vsurge_spec_decode_acceptance_rate",
+            "Accepted / verified draft tokens since start, 0-1 (speculative decoding).",
+            labels=["model"],
+        )
+        for name, m in spec:
+            drafted = m.spec_decode_draft_tokens_total
+            rate.add_metric([name], (m.spec_decode_accepted_tokens_total or 0) / drafted if drafted else 0.0)
+        yield rate
 
 
 class ServerMetrics:

@@ -1,0 +1,93 @@
+"""The host side of n-gram speculative decoding for one lane's slots: each slot's tokens and its drafts.
+
+A slot's sequence (prompt + every token generated so far) lives in one row of a preallocated buffer, so a
+step appends without allocating and the proposer reads a view. `propose` gives every slot that may
+speculate up to K draft tokens (`engines.speculative.propose_ngram`: prompt lookup), capped so that a
+verify step can never emit past the request's ``max_tokens`` or the context; `advance` appends what a
+step emitted (one token per row after a decode step, the accepted draft and one more after a verify step).
+
+Which requests speculate is decided once, at insertion: those whose sampling the verification reproduces
+exactly (`spec_verify.plain_sampling`: greedy or temperature alone) and that ask for no logprobs (a verify
+step computes top logprobs only for its first position). The others decode as without speculation, in the
+same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..engines.spec_verify import plain_sampling
+from ..engines.speculative import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, propose_ngram
+from ..sampling_params import SamplingParams
+
+__all__ = ["NgramDrafts", "may_speculate"]
+
+
+def may_speculate(params: SamplingParams) -> bool:
+    """True when a request's rows may be given drafts (see the module docstring)."""
+    return plain_sampling(params) and not params.logprobs
+
+
+class NgramDrafts:
+    """Token history and drafts of ``slots`` decode slots, K draft tokens per step at most."""
+
+    def __init__(
+        self,
+        slots: int,
+        k: int,
+        max_length: int,
+        max_ngram: int = DEFAULT_MAX_NGRAM,
+        min_ngram: int = DEFAULT_MIN_NGRAM,
+    ):
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        # a verify step may run up to K + 1 tokens past the context before the slot is released
+        self.tokens = np.zeros((slots, max_length + k + 2), np.int32)
+        self.length = np.zeros(slots, np.int64)  # tokens held (0: a free slot)
+        # a slot's length may not exceed this, whatever it drafts: prompt + max_tokens, within the context
+        # (0: the slot never drafts)
+        self.cap = np.zeros(slots, np.int64)
+
+    def start(
+        self, slot: int, prompt: Sequence[int], first_token: int, params: SamplingParams, max_length: int
+    ):
+        """A sample entered ``slot``: its prompt and its first token (sampled at insertion)."""
+        n = len(prompt)
+        self.tokens[slot, :n] = prompt
+        self.tokens[slot, n] = first_token
+        self.length[slot] = n + 1
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_length
+        self.cap[slot] = min(n + max_tokens, max_length) if may_speculate(params) else 0
+
+    def release(self, slot: int) -> None:
+        self.length[slot] = 0
+        self.cap[slot] = 0
+
+    def propose(self) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts for every slot: (i32[S, K] zero padded, i32[S] how many are real)."""
+        drafts = np.zeros((self.tokens.shape[0], self.k), np.int32)
+        counts = np.zeros(self.tokens.shape[0], np.int32)
+        # a verify step emits accepted + 1 tokens: at most cap - length - 1 of them may be drafts
+        room = np.minimum(self.cap - self.length - 1, self.k)
+        for slot in np.flatnonzero(room > 0):
+            n = int(self.length[slot])
+            d = propose_ngram(self.tokens[slot, :n], int(room[slot]), self.max_ngram, self.min_ngram)
+            drafts[slot, : d.shape[0]] = d
+            counts[slot] = d.shape[0]
+        return drafts, counts
+
+    def advance(self, tokens: np.ndarray, num_accepted: np.ndarray | None = None) -> None:
+        """Append a step's tokens to the live slots: tokens i32[R] (decode step) or i32[R, K+1] with
+        num_accepted i32[R] (verify step: the first num_accepted + 1 of each row)."""
+        width = self.tokens.shape[1]
+        for slot in np.flatnonzero(self.length[: tokens.shape[0]] > 0):
+            n = int(self.length[slot])
+            new = (
+                tokens[slot, : int(num_accepted[slot]) + 1]
+                if num_accepted is not None
+                else tokens[slot : slot + 1]
+            )
+            m = min(new.shape[0], width - n)  # a finished row may run past its context before release
+            self.tokens[slot, n : n + m] = new[:m]
+            self.length[slot] = n + m
