@@ -22,7 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-SERVERS = ("vsurge-vdriver", "vsurge-odriver", "vllm", "llama.cpp")
+SERVERS = ("vsurge-vdriver", "vsurge-odriver", "vsurge-ngram", "vllm", "llama.cpp")
+# vsurge-ngram: vdriver with n-gram speculative decoding, K draft tokens per step
+NGRAM_ARGS = ["--driver", "vdriver", "--speculative", "ngram", "--num-speculative-tokens", "4"]
 # Context per sequence on every server: the longest prompt (512) + the longest answer (256) fits.
 CONTEXT_PER_SEQUENCE = 1024
 # Buckets up to the longest prompt (longer ones are prefilled in chunks). The default buckets run up to
@@ -87,8 +89,9 @@ def discover(opts: Any, concurrency: int) -> list[Peer | Skipped]:
             out.append(Skipped(name, f"unknown server (known: {', '.join(SERVERS)})"))
         elif name.startswith("vsurge-"):
             port = free_port()
+            mode = NGRAM_ARGS if name == "vsurge-ngram" else ["--driver", name.removeprefix("vsurge-")]
             argv = _vsurge_argv() + [
-                "serve", "--model", opts.model, "--driver", name.removeprefix("vsurge-"),
+                "serve", "--model", opts.model, *mode,
                 "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1",
                 "--max-concurrent-decodes", str(concurrency), "--max-length", str(CONTEXT_PER_SEQUENCE),
                 "--prefill-lengths", VSURGE_PREFILL_LENGTHS, "--drain-timeout", "5", "--log-level", "warning",

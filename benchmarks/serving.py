@@ -143,6 +143,9 @@ class Preset:
     endpoint: str = "completions"
     ignore_eos: bool = True
     temperature: float = 0.0
+    # random: random words; quote: a passage of random words given twice and asked for a third time
+    # (the output repeats its context, as in summarising, quoting or editing: n-gram speculation's case)
+    prompts: str = "random"
 
 
 # Issue 14's workload: arriving traffic with long prompts, where decode can stall behind prefill.
@@ -162,27 +165,51 @@ PRESETS: dict[str, Preset] = {
         prompt_tokens=(32, 512),
         max_tokens=(16, 256),
     ),
+    "sampled-32": Preset(
+        "the mixed-32 requests at temperature 1.0 (text that seldom repeats itself: speculation's worst case)",
+        num_requests=64,
+        concurrency=32,
+        prompt_tokens=(32, 512),
+        max_tokens=(16, 256),
+        temperature=1.0,
+    ),
+    "quote-32": Preset(
+        "64 streaming /v1/completions, 32 in flight: a passage of 48-160 words given twice, then asked for "
+        "again; max_tokens 64-192, ignore_eos, temperature 0 (repetitive output: speculation's case)",
+        num_requests=64,
+        concurrency=32,
+        prompt_tokens=(48, 160),
+        max_tokens=(64, 192),
+        prompts="quote",
+    ),
 }
 
 
-def make_jobs(n: int, prompt_tokens: tuple[int, int], max_tokens: tuple[int, int], seed: int) -> list[Job]:
+def make_jobs(
+    n: int,
+    prompt_tokens: tuple[int, int],
+    max_tokens: tuple[int, int],
+    seed: int,
+    prompts: str = "random",
+) -> list[Job]:
     """n requests with prompt lengths and max_tokens drawn uniformly from the inclusive ranges.
 
     A prompt of N tokens is N words of WORDS: each is one token (with its leading space) for the
     SmolLM2/Llama BPE vocabularies, so every server sees the same text and about the same length; the
     exact counts come back in each answer's usage. Prompts are random, so no prefix cache gets them free.
+    ``prompts="quote"``: the drawn length is the passage's; the prompt holds it twice (about 2x + 12
+    tokens) and asks for it once more.
     """
     rng = random.Random(seed)
     jobs = []
     for _ in range(n):
         words = rng.randint(*prompt_tokens)
-        jobs.append(
-            Job(
-                prompt=" ".join(rng.choice(WORDS) for _ in range(words)),
-                max_tokens=rng.randint(*max_tokens),
-                prompt_words=words,
-            )
-        )
+        text = " ".join(rng.choice(WORDS) for _ in range(words))
+        if prompts == "quote":
+            text = f"Text: {text}\nThe same text again: {text}\nThe same text once more:"
+        elif prompts != "random":
+            raise ValueError(f"unknown prompt kind {prompts!r}")
+        jobs.append(Job(prompt=text, max_tokens=rng.randint(*max_tokens), prompt_words=words))
     return jobs
 
 
@@ -625,7 +652,9 @@ def workload(args: argparse.Namespace) -> list[Job]:
     """The jobs of a run: the preset's (seeded by --seed), else --num-requests prompts of --prompt-words."""
     if args.preset:
         preset = PRESETS[args.preset]
-        return make_jobs(preset.num_requests, preset.prompt_tokens, preset.max_tokens, args.seed)
+        return make_jobs(
+            preset.num_requests, preset.prompt_tokens, preset.max_tokens, args.seed, preset.prompts
+        )
     return as_jobs(make_prompts(args.num_requests, args.prompt_words, args.seed))
 
 

@@ -149,6 +149,8 @@ def env(model: ModelSpec) -> list[dict[str, Any]]:
         ("VSURGE_MESH", mesh(model)),
         ("VSURGE_DTYPE", e.dtype),
         ("VSURGE_QUANTIZATION", e.quantization),
+        ("VSURGE_SPECULATIVE", e.speculative),
+        ("VSURGE_NUM_SPECULATIVE_TOKENS", e.num_speculative_tokens),
     ]
     out += [_value_env(k, v) for k, v in optional if v is not None]
     out.append(_value_env("VSURGE_CACHE_DIR", CACHE_DIR))

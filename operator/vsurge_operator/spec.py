@@ -41,6 +41,8 @@ class EngineSpec:
     dtype: str | None = None
     mesh: str | None = None
     quantization: str | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,8 @@ _ENGINE_KEYS = {
     "dtype": "dtype",
     "mesh": "mesh",
     "quantization": "quantization",
+    "speculative": "speculative",
+    "numSpeculativeTokens": "num_speculative_tokens",
 }
 
 

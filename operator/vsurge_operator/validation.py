@@ -35,6 +35,7 @@ QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkM
 DRIVERS = ("vdriver", "odriver")
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "int8")
+SPECULATIVE_METHODS = ("none", "ngram")
 GPU_TYPE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"  # a label value (<= 63 characters)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 PAGE_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -46,6 +47,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "spec.replicas": (0, 1000),
     "spec.engine.maxConcurrentDecodes": (1, 4096),
     "spec.engine.maxLength": (16, 1048576),
+    "spec.engine.numSpeculativeTokens": (1, 16),
     "spec.engine.prefillLengths[]": (16, 1048576),
     "spec.autoscaling.minReplicas": (0, 1000),
     "spec.autoscaling.maxReplicas": (1, 1000),
@@ -194,6 +196,10 @@ def _validate_engine(c: _Checker, engine: Mapping[str, Any]) -> None:
         c.fail("spec.engine.hbmUtilization", f"must be <= 1 (got {hbm})")
     c.string(engine.get("dtype"), "spec.engine.dtype", choices=DTYPES)
     c.string(engine.get("quantization"), "spec.engine.quantization", choices=QUANTIZATIONS)
+    c.string(engine.get("speculative"), "spec.engine.speculative", choices=SPECULATIVE_METHODS)
+    c.integer(engine.get("numSpeculativeTokens"), "spec.engine.numSpeculativeTokens")
+    if engine.get("speculative") not in (None, "none") and engine.get("driver") not in (None, "vdriver"):
+        c.fail("spec.engine.speculative", "speculative decoding runs on driver vdriver")
     c.string(engine.get("mesh"), "spec.engine.mesh", MESH_PATTERN)
     if isinstance(engine.get("mesh"), str) and len(engine["mesh"]) > MESH_MAX_LENGTH:
         c.fail("spec.engine.mesh", f"must be at most {MESH_MAX_LENGTH} characters")

@@ -1,5 +1,6 @@
-"""GPU placement (spec.gpu) and int8 weights (spec.engine.quantization): CRD schema, validation, manifests,
-and the pod's environment as `vsurge serve` reads it."""
+"""GPU placement (spec.gpu), int8 weights (spec.engine.quantization) and speculative decoding
+(spec.engine.speculative, numSpeculativeTokens): CRD schema, validation, manifests, and the pod's environment
+as `vsurge serve` reads it."""
 
 from __future__ import annotations
 
@@ -57,6 +58,25 @@ def test_quantization_reaches_the_pod_and_vsurge_serve():
     cfg = parse_serve_config([], pod_env)
     assert cfg.engine.quantization == "int8" and cfg.engine.driver == "odriver"
     assert "VSURGE_QUANTIZATION" not in env(spec.parse(body()))  # unset: the server's default (none)
+
+
+def test_speculative_decoding_reaches_the_pod_and_vsurge_serve():
+    from vsurge.cli import parse_serve_config
+    from vsurge.engine_config import SPECULATIVE_METHODS
+
+    assert tuple(SPEC["properties"]["engine"]["properties"]["speculative"]["enum"]) == SPECULATIVE_METHODS
+    assert validation.SPECULATIVE_METHODS == SPECULATIVE_METHODS
+    b = body(engine={"speculative": "ngram", "numSpeculativeTokens": 6})
+    VALIDATOR.validate(b)
+    assert validation.validate(b) == []
+    values = env(spec.parse(b))
+    assert (values["VSURGE_SPECULATIVE"], values["VSURGE_NUM_SPECULATIVE_TOKENS"]) == ("ngram", "6")
+    cfg = parse_serve_config(
+        [], {k: v for k, v in values.items() if k.startswith("VSURGE_") and v is not None}
+    )
+    assert (cfg.engine.speculative, cfg.engine.num_speculative_tokens) == ("ngram", 6)
+    unset = env(spec.parse(body()))
+    assert "VSURGE_SPECULATIVE" not in unset and "VSURGE_NUM_SPECULATIVE_TOKENS" not in unset
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,11 @@ Which requests speculate is decided once, at insertion: those whose sampling the
 exactly (`spec_verify.plain_sampling`: greedy or temperature alone) and that ask for no logprobs (a verify
 step computes top logprobs only for its first position). The others decode as without speculation, in the
 same steps.
+
+`p_right` estimates how often a draft token is right: after every step with drafts, the share of rows
+whose first draft token is the token the target chose (in a decode step too: the draft was proposed, just
+not verified), as a moving average. With the verify step's measured cost it decides whether a step
+verifies or decodes (`speculative.worth_verifying`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from ..engines.speculative import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, propose_
 from ..sampling_params import SamplingParams
 
 __all__ = ["NgramDrafts", "may_speculate"]
+
+P_RIGHT_WEIGHT = 0.1  # of the latest step in the moving average: about the last ten steps count
 
 
 def may_speculate(params: SamplingParams) -> bool:
@@ -48,6 +55,14 @@ class NgramDrafts:
         # a slot's length may not exceed this, whatever it drafts: prompt + max_tokens, within the context
         # (0: the slot never drafts)
         self.cap = np.zeros(slots, np.int64)
+        self.p_right = 0.5  # moving average: the first draft token was the target's token
+
+    def observe(self, draft: np.ndarray, num_draft: np.ndarray, chosen: np.ndarray) -> None:
+        """A step ran with these drafts; ``chosen`` i32[R]: the token each row emitted first."""
+        rows = np.flatnonzero(num_draft[: chosen.shape[0]] > 0)
+        if rows.size:
+            right = float(np.mean(draft[rows, 0] == chosen[rows]))
+            self.p_right += P_RIGHT_WEIGHT * (right - self.p_right)
 
     def start(
         self, slot: int, prompt: Sequence[int], first_token: int, params: SamplingParams, max_length: int

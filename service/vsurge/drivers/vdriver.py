@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from ..engine_config import EngineConfig
+from ..engines.speculative import worth_verifying
 from ..engines.vengine import vEngine
 from ..structured.slots import SlotGrammars
 from .active_request import ActiveRequest
@@ -121,17 +122,26 @@ class DenseSlots:
             state, out = self._decode(state)
             return state, out, list(self.owners)
         # speculation: the proposer needs every step's tokens before the next step, so each is read here
-        if not self.grammars:
-            draft, num = self.drafts.propose()
-            if num.any():
-                state, out = self.engine.verify(state, draft, num)
-                accepted = np.asarray(out.num_accepted)
-                self.drafts.advance(np.asarray(out.tokens), accepted)
-                self.pipeline.metrics.drafted(int(num.sum()), int(accepted.sum()))
-                return state, out, list(self.owners)
+        draft, num = self.drafts.propose() if not self.grammars else (None, None)
+        if num is not None and self._verify_pays(num):
+            state, out = self.engine.verify(state, draft, num)
+            tokens, accepted = np.asarray(out.tokens), np.asarray(out.num_accepted)
+            self.drafts.observe(draft, num, tokens[:, 0])
+            self.drafts.advance(tokens, accepted)
+            self.pipeline.metrics.drafted(int(num.sum()), int(accepted.sum()))
+            return state, out, list(self.owners)
         state, out = self._decode(state)
-        self.drafts.advance(np.asarray(out.tokens))
+        tokens = np.asarray(out.tokens)
+        if num is not None:
+            self.drafts.observe(draft, num, tokens)
+        self.drafts.advance(tokens)
         return state, out, list(self.owners)
+
+    def _verify_pays(self, num_draft: np.ndarray) -> bool:
+        spec = self.engine.speculator
+        live = sum(o is not None for o in self.owners)
+        ratio = spec.cost_ratio[spec.rows_for_live()]
+        return worth_verifying(live, num_draft, self.drafts.p_right, ratio)
 
     def _decode(self, state: Any) -> tuple[Any, Any]:
         """One token for every live slot (structured slots under their token masks)."""

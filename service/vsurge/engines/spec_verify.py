@@ -21,6 +21,7 @@ per row per step (stopping at an EOS, stop string or max_tokens inside an accept
 from __future__ import annotations
 
 import dataclasses
+import time
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -182,6 +183,8 @@ class SpeculativeVerifier:
             )
             for rows in engine.decode_rows
         }
+        # seconds of a verify step / a decode step, per row bucket: 1.0 (always verify) until warm()
+        self.cost_ratio: dict[int, float] = dict.fromkeys(engine.decode_rows, 1.0)
 
     def jobs(self, state: Any) -> list[tuple[str, Any, tuple]]:
         """(name, program, example arguments) of every verify step, for the engine's compile()."""
@@ -195,23 +198,42 @@ class SpeculativeVerifier:
             for r, fn in self._fns.items()
         ]
 
-    def warm(self, state: Any) -> Any:
-        """Run every verify program once on the real state (as compile() does for decode)."""
+    def warm(self, state: Any, repeats: int = 2) -> Any:
+        """Run every verify program on the real state (as compile() does for decode), and time it against
+        the decode step of the same row bucket: `cost_ratio`, for the driver's choice of step."""
         eng = self.engine
+
+        def timed(fn, *args):
+            t = time.perf_counter()
+            new, out = fn(eng.params, *args)
+            jax.block_until_ready(out)
+            return new, time.perf_counter() - t
+
         for r, fn in self._fns.items():
-            state, out = fn(
-                eng.params, state, np.zeros((r, self.k), np.int32), np.zeros(r, np.int32), np.int32(1)
-            )
-        jax.block_until_ready(out)
+            draft, num = np.zeros((r, self.k), np.int32), np.zeros(r, np.int32)
+            state, _ = timed(fn, state, draft, num, np.int32(1))  # the first run pays for loading
+            t_verify, t_decode = [], []
+            for _ in range(repeats):
+                state, t = timed(fn, state, draft, num, np.int32(1))
+                t_verify.append(t)
+                state, t = timed(eng._decode[r], state, np.int32(1))
+                t_decode.append(t)
+            self.cost_ratio[r] = max(1.0, min(t_verify) / max(min(t_decode), 1e-9))
         return state
+
+    def rows_for_live(self) -> int:
+        """The row bucket the next step runs (the smallest covering the highest live slot)."""
+        eng = self.engine
+        live = np.flatnonzero(eng._active)
+        need_rows = int(live[-1]) + 1 if live.size else 1
+        return next((r for r in eng.decode_rows if r >= need_rows), eng.max_concurrent_decodes)
 
     def step(self, state: Any, draft: np.ndarray, num_draft: np.ndarray) -> tuple[Any, VerifyStep]:
         """draft i32[S, K] and num_draft i32[S] for every slot (idle slots: 0). Blocks until the accepted
         counts are known (the engine's host mirror of each slot's length needs them)."""
         eng = self.engine
         live = np.flatnonzero(eng._active)
-        need_rows = int(live[-1]) + 1 if live.size else 1
-        rows = next((r for r in eng.decode_rows if r >= need_rows), eng.max_concurrent_decodes)
+        rows = self.rows_for_live()
         # the row's new position (+ accepted + 1) must stay inside the context
         room = np.maximum(eng.max_length - 2 - eng._pos[:rows], 0)
         num = np.minimum(np.asarray(num_draft[:rows], np.int32), room).astype(np.int32)

@@ -44,10 +44,12 @@ __all__ = [
     "DEFAULT_MAX_NGRAM",
     "DEFAULT_MIN_NGRAM",
     "VerifyResult",
+    "expected_accepted",
     "propose_ngram",
     "propose_ngram_batch",
     "verify",
     "verify_jit",
+    "worth_verifying",
 ]
 
 DEFAULT_MAX_NGRAM = 3
@@ -101,6 +103,37 @@ def propose_ngram_batch(
         drafts[row, : d.shape[0]] = d
         counts[row] = d.shape[0]
     return drafts, counts
+
+
+# ------------------------------------------------------------------------------------------- the gate
+
+
+def expected_accepted(num_draft: np.ndarray, p: float) -> float:
+    """Draft tokens a verify step is expected to accept: sum over rows of p + p^2 + ... + p^d.
+
+    ``p`` is the chance that a draft token is right (what the step thread measures: how often the
+    token the target chose equals the first draft token); each later one needs every earlier one right.
+    """
+    d = np.asarray(num_draft, np.float64)
+    d = d[d > 0]
+    if not d.size or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return float(d.sum())
+    return float(np.sum(p * (1.0 - p**d) / (1.0 - p)))
+
+
+def worth_verifying(live_rows: int, num_draft: np.ndarray, p: float, cost_ratio: float) -> bool:
+    """True when a verify step should emit more tokens per unit of time than a decode step.
+
+    A decode step emits ``live_rows`` tokens; a verify step, costing ``cost_ratio`` decode steps (K+1
+    positions per row instead of one, measured at start-up), emits those plus the accepted drafts. Where
+    the drafts are mostly wrong (text that does not repeat itself) the step stays a decode step, so
+    speculation costs little there.
+    """
+    if live_rows <= 0 or not np.any(np.asarray(num_draft) > 0):
+        return False
+    return live_rows + expected_accepted(num_draft, p) > cost_ratio * live_rows
 
 
 # --------------------------------------------------------------------------------------- verification

@@ -530,6 +530,8 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         jax.block_until_ready(out)
         if self.speculator is not None:
             state = self.speculator.warm(state)
+            ratios = ", ".join(f"{r} rows {x:.2f}x" for r, x in self.speculator.cost_ratio.items())
+            say(f"verify step (k={self.speculator.k}) / decode step: {ratios}")
         # shapes for warm_structured, which may run later on another thread
         self._specs = jax.tree.map(_spec, (state, self.prefill([1], greedy[0])))
         self.free_resource(0)
