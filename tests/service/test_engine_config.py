@@ -186,6 +186,8 @@ def _pod_env_names() -> dict[str, str]:
             "dtype": "bfloat16",
             "mesh": "tp=4",
             "quantization": "int8",
+            "speculative": "none",  # ngram is vdriver's; this spec runs odriver
+            "num_speculative_tokens": 8,
         }.get(f.name, 64)
     engine = spec.EngineSpec(**full_engine)
 
@@ -252,6 +254,7 @@ def test_every_vsurge_variable_on_a_pod_is_read_by_vsurge_serve(monkeypatch, tmp
     assert (cfg.driver, cfg.page_size, cfg.prefill_lengths, cfg.mesh) == ("odriver", 64, [128, 256], "tp=4")
     assert cfg.engine.max_concurrent_decodes == 64 and cfg.dtype == "bfloat16"
     assert cfg.engine.quantization == "int8"
+    assert (cfg.engine.speculative, cfg.engine.num_speculative_tokens) == ("none", 8)
     for name in set(pod) & set(SOURCE_ENV):
         assert f'"{name}"' in inspect.getsource(importlib.import_module(SOURCE_ENV[name])), name
     from vsurge.models import default_model
