@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "service"))
 
-from server_helpers import MAX_LENGTH, MAX_QUEUE, MODEL, PREFILL_LENGTHS, SLOTS  # noqa: E402
+from server_helpers import MODEL, make_surge  # noqa: E402
 from tiny_models import make_checkpoint  # noqa: E402
 
 
@@ -33,19 +33,7 @@ def tiny_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def surge(tiny_dir):
-    import vsurge
-    from vsurge.surge import vSurge
-
-    model, processor = vsurge.load_model(tiny_dir)
-    s = vSurge.create_vdriver(
-        model,
-        processor,
-        max_concurrent_decodes=SLOTS,
-        prefill_lengths=PREFILL_LENGTHS,
-        max_length=MAX_LENGTH,
-        vsurge_name=MODEL,
-        max_queue_size=MAX_QUEUE,
-    )
+    s = make_surge(tiny_dir)
     yield s
     s.stop()
 

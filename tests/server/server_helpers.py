@@ -16,6 +16,24 @@ SLOTS = 8
 MAX_QUEUE = 8
 
 
+def make_surge(model_dir: str, **kw):
+    """The suite's vDriver vSurge over ``model_dir`` (its shapes), with engine options ``kw`` on top."""
+    import vsurge
+    from vsurge.surge import vSurge
+
+    model, processor = vsurge.load_model(model_dir)
+    return vSurge.create_vdriver(
+        model,
+        processor,
+        max_concurrent_decodes=SLOTS,
+        prefill_lengths=PREFILL_LENGTHS,
+        max_length=MAX_LENGTH,
+        vsurge_name=MODEL,
+        max_queue_size=MAX_QUEUE,
+        **kw,
+    )
+
+
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
     """Poll until predicate() is truthy; returns its value or fails with the last one."""
     deadline = time.monotonic() + timeout

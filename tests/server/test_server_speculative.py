@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import MAX_LENGTH, MAX_QUEUE, MODEL, PREFILL_LENGTHS, SLOTS, wait_for
+from server_helpers import MODEL, make_surge, wait_for
 
 K = 3
 PROMPTS = [
@@ -28,21 +28,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def spec_surge(tiny_dir):
-    import vsurge
-    from vsurge.surge import vSurge
-
-    model, processor = vsurge.load_model(tiny_dir)
-    s = vSurge.create_vdriver(
-        model,
-        processor,
-        max_concurrent_decodes=SLOTS,
-        prefill_lengths=PREFILL_LENGTHS,
-        max_length=MAX_LENGTH,
-        vsurge_name=MODEL,
-        max_queue_size=MAX_QUEUE,
-        speculative="ngram",
-        num_speculative_tokens=K,
-    )
+    s = make_surge(tiny_dir, speculative="ngram", num_speculative_tokens=K)
     yield s
     s.stop()
 
