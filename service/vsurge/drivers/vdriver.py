@@ -140,7 +140,7 @@ class DenseSlots:
     def _verify_pays(self, num_draft: np.ndarray) -> bool:
         spec = self.engine.speculator
         live = sum(o is not None for o in self.owners)
-        ratio = spec.cost_ratio[spec.rows_for_live()]
+        ratio = spec.cost_ratio[self.engine.decode_bucket()]
         return worth_verifying(live, num_draft, self.drafts.p_right, ratio)
 
     def _decode(self, state: Any) -> tuple[Any, Any]:

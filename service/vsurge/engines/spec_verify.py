@@ -221,19 +221,12 @@ class SpeculativeVerifier:
             self.cost_ratio[r] = max(1.0, min(t_verify) / max(min(t_decode), 1e-9))
         return state
 
-    def rows_for_live(self) -> int:
-        """The row bucket the next step runs (the smallest covering the highest live slot)."""
-        eng = self.engine
-        live = np.flatnonzero(eng._active)
-        need_rows = int(live[-1]) + 1 if live.size else 1
-        return next((r for r in eng.decode_rows if r >= need_rows), eng.max_concurrent_decodes)
-
     def step(self, state: Any, draft: np.ndarray, num_draft: np.ndarray) -> tuple[Any, VerifyStep]:
         """draft i32[S, K] and num_draft i32[S] for every slot (idle slots: 0). Blocks until the accepted
         counts are known (the engine's host mirror of each slot's length needs them)."""
         eng = self.engine
         live = np.flatnonzero(eng._active)
-        rows = self.rows_for_live()
+        rows = eng.decode_bucket()
         # the row's new position (+ accepted + 1) must stay inside the context
         room = np.maximum(eng.max_length - 2 - eng._pos[:rows], 0)
         num = np.minimum(np.asarray(num_draft[:rows], np.int32), room).astype(np.int32)

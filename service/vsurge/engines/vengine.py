@@ -439,13 +439,18 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             firsts.append(first)
         return decode_state, firsts
 
+    def decode_bucket(self) -> int:
+        """The row bucket the next step runs: the smallest compiled one covering the highest live slot."""
+        live = np.flatnonzero(self._active)
+        need_rows = int(live[-1]) + 1 if live.size else 1
+        return next((r for r in self.decode_rows if r >= need_rows), self.max_concurrent_decodes)
+
     def decode(self, decode_state: GenerationState) -> tuple[GenerationState, SampleResult]:
         """One token for every live slot. Runs the smallest compiled row bucket that covers the highest
         live slot, reading the cache up to the longest live sequence; results have one row per decoded slot."""
         live = np.flatnonzero(self._active)
-        need_rows = int(live[-1]) + 1 if live.size else 1
         limit = np.int32(self._pos[live].max() + 1 if live.size else 1)
-        rows = next((r for r in self.decode_rows if r >= need_rows), self.max_concurrent_decodes)
+        rows = self.decode_bucket()
         state, out = self._decode[rows](self.params, decode_state, limit)
         self._pos[live] += 1
         return state, out
@@ -464,9 +469,8 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         """The first half of a structured step: dispatch the model over the live rows, as `decode` would,
         and return the logits (rows of the bucket) for `decode_sample`."""
         live = np.flatnonzero(self._active)
-        need_rows = int(live[-1]) + 1 if live.size else 1
         limit = np.int32(self._pos[live].max() + 1 if live.size else 1)
-        rows = next((r for r in self.decode_rows if r >= need_rows), self.max_concurrent_decodes)
+        rows = self.decode_bucket()
         state, logits = self._forward[rows](self.params, decode_state, limit)
         self._pos[live] += 1
         return state, logits
