@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = serving.summarize(results, duration)
     mean_rows = counter.rows / max(steps, 1)
     mean_limit = int(np.mean(counter.limits)) if counter.limits else 1
-    rows_bucket = next((r for r in engine.decode_rows if r >= round(mean_rows)), engine.max_concurrent_decodes)
+    rows_bucket = next(
+        (r for r in engine.decode_rows if r >= round(mean_rows)), engine.max_concurrent_decodes
+    )
     step_alone = alone(engine, rows_bucket, mean_limit)
     per_token = prefill_per_token(engine)
     cores = os.cpu_count() or 1
@@ -199,12 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{args.preset} ({args.speculative}): {report['output_tok_s']} tok/s, {steps} steps in {wall:.1f} s")
-    print(f"  per step: {report['wall_ms_per_step']} ms wall, {report['mean_rows']} rows, context {mean_limit}")
+    print(
+        f"{args.preset} ({args.speculative}): {report['output_tok_s']} tok/s, {steps} steps in {wall:.1f} s"
+    )
+    print(
+        f"  per step: {report['wall_ms_per_step']} ms wall, {report['mean_rows']} rows, context {mean_limit}"
+    )
     for k, v in report["cpu_ms_per_step"].items():
         print(f"  {k:<12} {v:8.1f} CPU ms")
     print(f"  compute held {report['compute_share_of_cores']:.0%} of {cores} cores")
-    print(f"  device step alone ({rows_bucket} rows, context {mean_limit}): {report['device_step_alone_ms']} ms")
+    print(
+        f"  device step alone ({rows_bucket} rows, context {mean_limit}): {report['device_step_alone_ms']} ms"
+    )
     print(
         f"  prefill: {report['prefill_ms_per_prompt_token']} ms per prompt token alone; "
         f"{report['prefill_ms_per_step_if_serial']} ms per step if run serially"

@@ -43,6 +43,7 @@ class EngineSpec:
     quantization: str | None = None
     speculative: str | None = None
     num_speculative_tokens: int | None = None
+    kv_cache_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ _ENGINE_KEYS = {
     "quantization": "quantization",
     "speculative": "speculative",
     "numSpeculativeTokens": "num_speculative_tokens",
+    "kvCacheDtype": "kv_cache_dtype",
 }
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "MAX_LENGTH_CAP",
     "QUANTIZATIONS",
     "SPECULATIVE_METHODS",
+    "KV_CACHE_DTYPES",
     "EngineConfig",
     "driver_default",
     "env_name",
@@ -45,10 +46,8 @@ DEFAULT_SEED = 894  # the seed's engine seed, for requests without a seed of the
 DRIVERS = ("vdriver", "odriver")
 ATTENTION_BACKENDS = ("auto", "pallas", "jax")  # paged attention (models/pallas_sharded.py)
 QUANTIZATIONS = ("none", "int8")
-SPECULATIVE_METHODS = (
-    "none",
-    "ngram",
-)  # speculative decoding (engines/speculative.py)  # weight quantization at load (models/quantization.py)
+SPECULATIVE_METHODS = ("none", "ngram")  # speculative decoding (engines/speculative.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16")  # vEngine's dense cache (models/attention.py: kv_store / kv_load)
 MAX_LENGTH_CAP = 2048  # max_length=None: the model's context, at most this
 
 # Defaults that differ by driver, for fields left at None (the engine fills them in).
@@ -290,6 +289,14 @@ class EngineConfig:
         text=parse_int,
         metavar="K",
     )
+    kv_cache_dtype: str = knob(
+        "auto",
+        "KV cache dtype: auto (the model's) or bfloat16 (half the bytes a decode step reads; stored as bits "
+        "and widened to float32 for attention; vdriver)",
+        check=_one_of(*KV_CACHE_DTYPES),
+        serve=True,
+        text=parse_choice(*KV_CACHE_DTYPES),
+    )
     interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
     max_decode_stall: float = knob(
         0.25,
@@ -322,6 +329,10 @@ class EngineConfig:
         if self.speculative != "none" and self.driver != "vdriver":
             raise ValueError(
                 f"speculative: {self.speculative} decoding runs on driver vdriver, not {self.driver}"
+            )
+        if self.kv_cache_dtype != "auto" and self.driver != "vdriver":
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype} is vdriver's dense cache, not {self.driver}'s pages"
             )
         mpl, ml = self.max_prefill_length, self.max_length
         if mpl is not None and ml is not None and mpl > ml:

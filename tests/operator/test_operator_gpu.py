@@ -1,6 +1,6 @@
-"""GPU placement (spec.gpu), int8 weights (spec.engine.quantization) and speculative decoding
-(spec.engine.speculative, numSpeculativeTokens): CRD schema, validation, manifests, and the pod's environment
-as `vsurge serve` reads it."""
+"""GPU placement (spec.gpu), int8 weights (spec.engine.quantization), speculative decoding
+(spec.engine.speculative, numSpeculativeTokens) and the KV cache dtype (spec.engine.kvCacheDtype): CRD
+schema, validation, manifests, and the pod's environment as `vsurge serve` reads it."""
 
 from __future__ import annotations
 
@@ -77,6 +77,24 @@ def test_speculative_decoding_reaches_the_pod_and_vsurge_serve():
     assert (cfg.engine.speculative, cfg.engine.num_speculative_tokens) == ("ngram", 6)
     unset = env(spec.parse(body()))
     assert "VSURGE_SPECULATIVE" not in unset and "VSURGE_NUM_SPECULATIVE_TOKENS" not in unset
+
+
+def test_kv_cache_dtype_reaches_the_pod_and_vsurge_serve():
+    from vsurge.cli import parse_serve_config
+    from vsurge.engine_config import KV_CACHE_DTYPES
+
+    assert tuple(SPEC["properties"]["engine"]["properties"]["kvCacheDtype"]["enum"]) == KV_CACHE_DTYPES
+    assert validation.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    b = body(engine={"kvCacheDtype": "bfloat16"})
+    VALIDATOR.validate(b)
+    assert validation.validate(b) == []
+    values = env(spec.parse(b))
+    assert values["VSURGE_KV_CACHE_DTYPE"] == "bfloat16"
+    cfg = parse_serve_config(
+        [], {k: v for k, v in values.items() if k.startswith("VSURGE_") and v is not None}
+    )
+    assert cfg.engine.kv_cache_dtype == "bfloat16"
+    assert "VSURGE_KV_CACHE_DTYPE" not in env(spec.parse(body()))
 
 
 @pytest.mark.parametrize(

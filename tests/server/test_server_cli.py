@@ -163,6 +163,20 @@ def test_speculative_flags_reach_the_engine(tiny_dir):
     assert surge.metrics().spec_decode_draft_tokens_total == 0
 
 
+def test_kv_cache_dtype_reaches_the_engine(tiny_dir):
+    import vsurge
+    from vsurge.cli import build_surge
+    from vsurge.models.attention import KV_BITS
+
+    flags = ["--kv-cache-dtype", "bfloat16", "--max-length=96", "--prefill-lengths=16"]
+    engine = build_surge(parse_serve_config(flags, {}), *vsurge.load_model(tiny_dir)).driver.engines[0]
+    assert engine.cache_dtype == KV_BITS
+    env = parse_serve_config([], {"VSURGE_KV_CACHE_DTYPE": "bfloat16"})
+    assert env.engine.kv_cache_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="kv_cache_dtype: bfloat16 is vdriver's dense cache"):
+        parse_serve_config(["--driver", "odriver", "--kv-cache-dtype", "bfloat16"], {})
+
+
 def test_tool_call_parser_reaches_the_server():
     from vsurge.cli import build_api
     from vsurge.server.tool_parsers import PARSERS

@@ -4,6 +4,7 @@ import asyncio
 import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -359,6 +360,38 @@ def test_long_rows_cross_decode_chunks_exactly(tiny):
     greedy = SamplingParams(temperature=0.0)
     got = _engine_greedy(engine, engine.prefill_many(prompts, [greedy] * 2), [(0, 0), (1, 1)], 40)
     assert [got[0], got[1]] == [greedy_generate(model, [p], 40)[0] for p in prompts]
+
+
+def test_bfloat16_kv_cache_decodes_within_bfloat16_rounding(tiny):
+    # kv_cache_dtype=bfloat16 keeps the dense cache as bfloat16 bits (half the bytes a step reads): each
+    # step's logits stay within bfloat16 rounding of the float32 cache's, and are not identical to them
+    # (the rounding is really there); the speculative verifier reads the same cache.
+    from vsurge.engines.vengine import vEngine
+    from vsurge.models.attention import KV_BITS, kv_load, kv_store
+
+    x = np.random.RandomState(0).standard_normal((4, 64)).astype(np.float32)
+    want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    assert np.array_equal(np.asarray(kv_load(kv_store(jnp.asarray(x), KV_BITS))), want)
+
+    model, tok = tiny
+    kw = dict(max_concurrent_decodes=2, prefill_lengths=[64], max_length=MAX_LEN)
+    f32, bf16 = vEngine(model, tok, **kw), vEngine(model, tok, kv_cache_dtype="bfloat16", **kw)
+    assert f32.cache_dtype == model.dtype and bf16.cache_dtype == KV_BITS
+    prompt = list(np.random.RandomState(2).randint(3, 300, size=40))
+    greedy = SamplingParams(temperature=0.0)
+    logits = []
+    for engine in (f32, bf16):
+        state = engine.init_decode_state()
+        assert state.caches[0][0].dtype == engine.cache_dtype
+        state, _ = engine.insert(engine.prefill(prompt, greedy), state, 0)
+        steps = []
+        for _ in range(6):
+            state, out = engine.decode_logits(state)
+            steps.append(np.asarray(out[0]))
+            state, _ = engine.decode_sample(state, out, np.full((2, -(-model.config.vocab_size // 32)), -1))
+        logits.append(np.stack(steps))
+    gap = np.abs(logits[0] - logits[1]).max()
+    assert 0 < gap < 0.05 * np.abs(logits[0]).max(), gap
 
 
 def test_driver_packs_waiting_prompts_into_one_prefill(tiny):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..models.attention import _NEG, _allowed
+from ..models.attention import _NEG, _allowed, kv_load, kv_store
 from ..sampling_params import SamplingParams
 from .engine_base import constrain
 from .sampling import SlotSampling, sample
@@ -86,8 +86,8 @@ class DenseVerifyAttention:
         g = h // kvh
         pos = positions[:, None] + jnp.arange(t)[None, :]  # [S, T]
         rows = jnp.arange(s)[:, None]
-        kc = kc.at[rows, pos].set(k.astype(kc.dtype), mode="drop")
-        vc = vc.at[rows, pos].set(v.astype(vc.dtype), mode="drop")
+        kc = kc.at[rows, pos].set(kv_store(k, kc.dtype), mode="drop")
+        vc = vc.at[rows, pos].set(kv_store(v, vc.dtype), mode="drop")
         n = kc.shape[1]
         c = min(self.chunk, n)
         qg = q.reshape(s, t, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
@@ -95,8 +95,8 @@ class DenseVerifyAttention:
         def chunk(i, carry):
             m, denom, acc = carry
             start = jnp.minimum(i * c, n - c)
-            ks = jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1).astype(jnp.float32)
-            vs = jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1).astype(jnp.float32)
+            ks = kv_load(jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1))
+            vs = kv_load(jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1))
             k_pos = start + jnp.arange(c)[None, None, :]
             ok = _allowed(pos[:, :, None], k_pos, self.window) & (k_pos >= i * c)  # [S, T, C]
             scores = jnp.einsum("stkgd,snkd->stkgn", qg, ks)

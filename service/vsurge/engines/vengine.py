@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..engine_config import EngineConfig
-from ..models.attention import DenseDecodeAttention, PrefillAttention
+from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, kv_store
 from ..models.sharding import kv_cache_sharding
 from ..sampling_params import SamplingParams
 from .chunked_prefill import ChunkedPrefill
@@ -142,10 +142,10 @@ def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_tok
     caches = tuple(
         (
             jax.lax.dynamic_update_slice(
-                kc, jnp.take(k, src, axis=0)[None].astype(kc.dtype), (slot, 0, 0, 0)
+                kc, kv_store(jnp.take(k, src, axis=0)[None], kc.dtype), (slot, 0, 0, 0)
             ),
             jax.lax.dynamic_update_slice(
-                vc, jnp.take(v, src, axis=0)[None].astype(vc.dtype), (slot, 0, 0, 0)
+                vc, kv_store(jnp.take(v, src, axis=0)[None], vc.dtype), (slot, 0, 0, 0)
             ),
         )
         for (kc, vc), (k, v) in zip(state.caches, prefix.kv, strict=True)
@@ -257,6 +257,13 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self.compiled = False
 
     # ------------------------------------------------------------------ state
+    @property
+    def cache_dtype(self) -> Any:
+        """What the dense KV cache holds: the model's dtype, or bfloat16 bits (kv_cache_dtype=bfloat16)."""
+        if self.engine_config.kv_cache_dtype == "bfloat16" and self.model.dtype != jnp.bfloat16:
+            return KV_BITS
+        return self.model.dtype
+
     def _cache_shape(self) -> tuple[int, ...]:
         c = self.config
         return (self.max_concurrent_decodes, self.max_length, c.num_kv_heads, c.head_dim)
@@ -299,7 +306,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
 
     def init_decode_state(self, *args, **kwargs) -> GenerationState:
         s, v = self.max_concurrent_decodes, self.config.vocab_size
-        dtype = self.model.dtype
+        dtype = self.cache_dtype
         rep = self._replicated()
         kv_sharding = kv_cache_sharding(self.mesh, self._cache_shape()) if self.mesh is not None else rep
         if self._zeros is None:  # one program, kept: a restarted generate thread must not compile again

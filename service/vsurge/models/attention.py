@@ -14,6 +14,25 @@ import jax.numpy as jnp
 
 _NEG = -1e30
 
+# A bfloat16 KV cache is kept as its bits (uint16) and widened with an integer shift when read: XLA:CPU
+# runs a bf16 slice-convert-dot ~8x slower than the f32 one, while the shift costs ~nothing, so the
+# cache's halved bytes become a faster decode step (a 32-row step at context 574: 175 -> 105 ms of attention).
+KV_BITS = jnp.uint16
+
+
+def kv_store(x: jnp.ndarray, cache_dtype) -> jnp.ndarray:
+    """x as the cache stores it: bfloat16 bits for a KV_BITS cache, else cast to the cache's dtype."""
+    if cache_dtype == KV_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), KV_BITS)
+    return x.astype(cache_dtype)
+
+
+def kv_load(x: jnp.ndarray) -> jnp.ndarray:
+    """Cache entries as float32 (exact: bfloat16 is float32's upper half)."""
+    if x.dtype == KV_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+    return x.astype(jnp.float32)
+
 
 def _group(q: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
     b, t, h, d = q.shape
@@ -112,8 +131,8 @@ class DenseDecodeAttention:
         kvh = k.shape[2]
         g = h // kvh
         rows = jnp.arange(s)
-        kc = kc.at[rows, positions].set(k[:, 0].astype(kc.dtype))
-        vc = vc.at[rows, positions].set(v[:, 0].astype(vc.dtype))
+        kc = kc.at[rows, positions].set(kv_store(k[:, 0], kc.dtype))
+        vc = vc.at[rows, positions].set(kv_store(v[:, 0], vc.dtype))
         n = kc.shape[1] if self.kv_len is None else min(self.kv_len, kc.shape[1])
         c = min(self.chunk, n)
         qg = q[:, 0].reshape(s, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
@@ -123,8 +142,8 @@ class DenseDecodeAttention:
             m, denom, acc = carry
             # the last chunk is shifted back to fit in n; positions an earlier chunk covered are masked
             start = jnp.minimum(i * c, n - c)
-            ks = jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1).astype(jnp.float32)
-            vs = jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1).astype(jnp.float32)
+            ks = kv_load(jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1))
+            vs = kv_load(jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1))
             k_pos = start + jnp.arange(c)[None, :]
             ok = _allowed(pos, k_pos, self.window) & (k_pos >= i * c)  # [S, C]
             scores = jnp.einsum("skgd,snkd->skgn", qg, ks)
