@@ -22,9 +22,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-SERVERS = ("vsurge-vdriver", "vsurge-odriver", "vsurge-ngram", "vllm", "llama.cpp")
-# vsurge-ngram: vdriver with n-gram speculative decoding, K draft tokens per step
-NGRAM_ARGS = ["--driver", "vdriver", "--speculative", "ngram", "--num-speculative-tokens", "4"]
+NGRAM_ARGS = ["--speculative", "ngram", "--num-speculative-tokens", "4"]
+BF16_KV_ARGS = ["--kv-cache-dtype", "bfloat16"]
+BF16_ARGS = [*BF16_KV_ARGS, "--prefill-dtype", "bfloat16"]
+# `vsurge serve` arguments of each vSurge server: a driver, n-gram speculative decoding (K draft tokens per
+# step), a bfloat16 KV cache, bfloat16 prefill as well, and combinations
+VSURGE_MODES = {
+    "vsurge-vdriver": ["--driver", "vdriver"],
+    "vsurge-odriver": ["--driver", "odriver"],
+    "vsurge-ngram": ["--driver", "vdriver", *NGRAM_ARGS],
+    "vsurge-bf16kv": ["--driver", "vdriver", *BF16_KV_ARGS],
+    "vsurge-bf16kv-ngram": ["--driver", "vdriver", *BF16_KV_ARGS, *NGRAM_ARGS],
+    "vsurge-bf16": ["--driver", "vdriver", *BF16_ARGS],
+    "vsurge-bf16-ngram": ["--driver", "vdriver", *BF16_ARGS, *NGRAM_ARGS],
+}
+SERVERS = (*VSURGE_MODES, "vllm", "llama.cpp")
 # Context per sequence on every server: the longest prompt (512) + the longest answer (256) fits.
 CONTEXT_PER_SEQUENCE = 1024
 # Buckets up to the longest prompt (longer ones are prefilled in chunks). The default buckets run up to
@@ -89,7 +101,7 @@ def discover(opts: Any, concurrency: int) -> list[Peer | Skipped]:
             out.append(Skipped(name, f"unknown server (known: {', '.join(SERVERS)})"))
         elif name.startswith("vsurge-"):
             port = free_port()
-            mode = NGRAM_ARGS if name == "vsurge-ngram" else ["--driver", name.removeprefix("vsurge-")]
+            mode = VSURGE_MODES[name]
             argv = _vsurge_argv() + [
                 "serve", "--model", opts.model, *mode,
                 "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1",

@@ -2,6 +2,7 @@
 
     python benchmarks/step_breakdown.py                          # vdriver, default model, mixed-32
     python benchmarks/step_breakdown.py --speculative ngram      # the same with n-gram speculation
+    python benchmarks/step_breakdown.py --kv-cache-dtype bfloat16
     python benchmarks/step_breakdown.py --preset quote-32 --json
 
 The workload of `benchmarks/serving.py --preset P` runs through `vSurge.complete` on one asyncio loop (no
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--max-length", type=int, default=None, help="default: vsurge serve's")
     p.add_argument("--speculative", default="none", choices=["none", "ngram"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -135,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
 
     preset = serving.PRESETS[args.preset]
     model, processor = vsurge.load_model(args.model)
-    kw: dict[str, Any] = {"max_concurrent_decodes": args.slots, "speculative": args.speculative}
+    kw: dict[str, Any] = {
+        "max_concurrent_decodes": args.slots,
+        "speculative": args.speculative,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
     if args.max_length:
         kw["max_length"] = args.max_length
     surge = vSurge.create_vdriver(model, processor, vsurge_name="bench", **kw)
@@ -179,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "preset": args.preset,
         "speculative": args.speculative,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "wall_s": round(wall, 1),
         "output_tok_s": round(summary["output_token_throughput"], 1),
         "ttft_p50_s": summary["ttft_s"].get("p50"),

@@ -44,6 +44,7 @@ class EngineSpec:
     speculative: str | None = None
     num_speculative_tokens: int | None = None
     kv_cache_dtype: str | None = None
+    prefill_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ _ENGINE_KEYS = {
     "speculative": "speculative",
     "numSpeculativeTokens": "num_speculative_tokens",
     "kvCacheDtype": "kv_cache_dtype",
+    "prefillDtype": "prefill_dtype",
 }
 
 

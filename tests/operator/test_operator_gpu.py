@@ -1,5 +1,6 @@
 """GPU placement (spec.gpu), int8 weights (spec.engine.quantization), speculative decoding
-(spec.engine.speculative, numSpeculativeTokens) and the KV cache dtype (spec.engine.kvCacheDtype): CRD
+(spec.engine.speculative, numSpeculativeTokens), the KV cache and prefill dtypes (spec.engine.kvCacheDtype,
+prefillDtype): CRD
 schema, validation, manifests, and the pod's environment as `vsurge serve` reads it."""
 
 from __future__ import annotations
@@ -79,22 +80,24 @@ def test_speculative_decoding_reaches_the_pod_and_vsurge_serve():
     assert "VSURGE_SPECULATIVE" not in unset and "VSURGE_NUM_SPECULATIVE_TOKENS" not in unset
 
 
-def test_kv_cache_dtype_reaches_the_pod_and_vsurge_serve():
+def test_kv_cache_and_prefill_dtypes_reach_the_pod_and_vsurge_serve():
     from vsurge.cli import parse_serve_config
-    from vsurge.engine_config import KV_CACHE_DTYPES
+    from vsurge.engine_config import KV_CACHE_DTYPES, PREFILL_DTYPES
 
-    assert tuple(SPEC["properties"]["engine"]["properties"]["kvCacheDtype"]["enum"]) == KV_CACHE_DTYPES
-    assert validation.KV_CACHE_DTYPES == KV_CACHE_DTYPES
-    b = body(engine={"kvCacheDtype": "bfloat16"})
+    engine = SPEC["properties"]["engine"]["properties"]
+    assert tuple(engine["kvCacheDtype"]["enum"]) == KV_CACHE_DTYPES == validation.KV_CACHE_DTYPES
+    assert tuple(engine["prefillDtype"]["enum"]) == PREFILL_DTYPES == validation.PREFILL_DTYPES
+    b = body(engine={"kvCacheDtype": "bfloat16", "prefillDtype": "bfloat16"})
     VALIDATOR.validate(b)
     assert validation.validate(b) == []
     values = env(spec.parse(b))
-    assert values["VSURGE_KV_CACHE_DTYPE"] == "bfloat16"
+    assert values["VSURGE_KV_CACHE_DTYPE"] == values["VSURGE_PREFILL_DTYPE"] == "bfloat16"
     cfg = parse_serve_config(
         [], {k: v for k, v in values.items() if k.startswith("VSURGE_") and v is not None}
     )
-    assert cfg.engine.kv_cache_dtype == "bfloat16"
-    assert "VSURGE_KV_CACHE_DTYPE" not in env(spec.parse(body()))
+    assert cfg.engine.kv_cache_dtype == cfg.engine.prefill_dtype == "bfloat16"
+    unset = env(spec.parse(body()))
+    assert "VSURGE_KV_CACHE_DTYPE" not in unset and "VSURGE_PREFILL_DTYPE" not in unset
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,8 @@ BAD = [
     ("spec.engine.speculative", _with("spec.engine", {"speculative": "ngram", "driver": "odriver"})),
     ("spec.engine.kvCacheDtype", _with("spec.engine", {"kvCacheDtype": "fp8"})),
     ("spec.engine.kvCacheDtype", _with("spec.engine", {"kvCacheDtype": "bfloat16", "driver": "odriver"})),
+    ("spec.engine.prefillDtype", _with("spec.engine", {"prefillDtype": "float8"})),
+    ("spec.engine.prefillDtype", _with("spec.engine", {"prefillDtype": "bfloat16", "driver": "odriver"})),
     ("spec.engine.numSpeculativeTokens", _with("spec.engine", {"numSpeculativeTokens": 0})),
     ("spec.engine.numSpeculativeTokens", _with("spec.engine", {"numSpeculativeTokens": 17})),
     ("spec.engine.mesh", _with("spec.engine", {"mesh": "tp=0"})),

@@ -365,7 +365,7 @@ def test_long_rows_cross_decode_chunks_exactly(tiny):
 def test_bfloat16_kv_cache_decodes_within_bfloat16_rounding(tiny):
     # kv_cache_dtype=bfloat16 keeps the dense cache as bfloat16 bits (half the bytes a step reads): each
     # step's logits stay within bfloat16 rounding of the float32 cache's, and are not identical to them
-    # (the rounding is really there); the speculative verifier reads the same cache.
+    # (the rounding is really there).
     from vsurge.engines.vengine import vEngine
     from vsurge.models.attention import KV_BITS, kv_load, kv_store
 
@@ -392,6 +392,41 @@ def test_bfloat16_kv_cache_decodes_within_bfloat16_rounding(tiny):
         logits.append(np.stack(steps))
     gap = np.abs(logits[0] - logits[1]).max()
     assert 0 < gap < 0.05 * np.abs(logits[0]).max(), gap
+
+
+def test_bfloat16_prefill_matches_float32_within_rounding(tiny):
+    # prefill_dtype=bfloat16 runs packed prefill on a bfloat16 copy of the float32 weights: the prompt's
+    # K/V and last hidden state come out in bfloat16, close to the float32 prefill's; decode keeps the
+    # float32 weights; a driver built that way serves a burst of requests to their lengths.
+    import jax
+
+    from vsurge.engines.vengine import vEngine
+
+    model, tok = tiny
+    kw = dict(max_concurrent_decodes=4, prefill_lengths=[64], max_length=MAX_LEN)
+    f32, bf16 = vEngine(model, tok, **kw), vEngine(model, tok, prefill_dtype="bfloat16", **kw)
+    assert f32.prefill_params is f32.params
+    assert {a.dtype for a in jax.tree.leaves(bf16.prefill_params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {a.dtype for a in jax.tree.leaves(bf16.params)} == {jnp.dtype(jnp.float32)}
+    prompts = [list(np.random.RandomState(3).randint(3, 300, size=n)) for n in (9, 30)]
+    greedy = SamplingParams(temperature=0.0)
+    a, b = (e.prefill_many(prompts, [greedy] * 2) for e in (f32, bf16))
+    assert b.hidden.dtype == b.kv[0][0].dtype == jnp.bfloat16 and a.hidden.dtype == jnp.float32
+    for x, y in [(a.hidden, b.hidden), *((ka, kb) for (ka, _), (kb, _) in zip(a.kv, b.kv, strict=True))]:
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        gap = np.abs(x - y).max()
+        assert 0 < gap < 0.05 * np.abs(x).max(), gap
+
+    s = vSurge.create_vdriver(model, tok, prefill_dtype="bfloat16", kv_cache_dtype="bfloat16", **kw)
+    s.compile()
+    s.start()
+    try:
+        actives = [s.submit(ids_request(p, 7)) for p in prompts * 3]
+        got = [[t for items in r.channel for x in items for t in x.token_ids] for r in actives]
+    finally:
+        s.stop()
+    assert [len(g) for g in got] == [7] * 6
+    assert s.driver.num_used_slots == 0
 
 
 def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
@@ -474,12 +509,15 @@ def test_a_long_prompts_bucket_is_filled_with_waiting_prompts(tiny):
     assert s.driver.num_used_slots == 0
 
 
-def test_no_compilation_on_live_requests(tiny):
+@pytest.mark.parametrize(
+    "dtypes", [{}, {"prefill_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}], ids=["model", "bfloat16"]
+)
+def test_no_compilation_on_live_requests(tiny, dtypes):
     from jit_watch import compiled_while_serving
 
     model, tok = tiny
     s = vSurge.create_vdriver(
-        model, tok, max_concurrent_decodes=4, prefill_lengths=BUCKETS, max_length=MAX_LEN
+        model, tok, max_concurrent_decodes=4, prefill_lengths=BUCKETS, max_length=MAX_LEN, **dtypes
     )
     s.compile()
     compiled = compiled_while_serving(s)

@@ -89,9 +89,11 @@ def _prefill_impl(graphdef, params, tokens, positions, segments, starts, lengths
     return Prefix(kv, last, starts, lengths, mask, sampling)
 
 
-def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab: int):
+def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab: int, dtype):
     """A chunked prefill's row as entry 0 of a Prefix (the other entries unused), so insert and the
-    first-token sampler serve it like any pack."""
+    first-token sampler serve it like any pack (in the packed prefill's dtype: one signature for both)."""
+    kv = tuple((k.astype(dtype), v.astype(dtype)) for k, v in kv)
+    last = last.astype(dtype)
     valid = jnp.arange(tokens.shape[0]) < length
     mask = jnp.zeros((entries, vocab), bool).at[0, jnp.where(valid, tokens, vocab)].set(True, mode="drop")
     hidden = jnp.zeros((entries, last.shape[-1]), last.dtype).at[0].set(last)
@@ -211,6 +213,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
 
         logits_sharding = self.logits_sharding
         self._prefill = jax.jit(partial(_prefill_impl, self.graphdef))
+        self.prefill_params = self._prefill_weights()
         self._first = jax.jit(
             partial(_first_impl, self.graphdef, num_top=num_top_logprobs, logits_sharding=logits_sharding)
         )
@@ -246,7 +249,12 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self._zeros = None
         self.chunked = self._make_chunked()
         self._long_prefix = jax.jit(
-            partial(_long_prefix_impl, entries=self.max_concurrent_prefill, vocab=self.config.vocab_size)
+            partial(
+                _long_prefix_impl,
+                entries=self.max_concurrent_prefill,
+                vocab=self.config.vocab_size,
+                dtype=self.model.dtype if self.prefill_params is self.params else jnp.bfloat16,
+            )
         )
         # n-gram speculative decoding: the verify step per row bucket (spec_verify.py)
         self.speculator = (
@@ -257,6 +265,20 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self.compiled = False
 
     # ------------------------------------------------------------------ state
+    def _prefill_weights(self) -> Any:
+        """The weights packed prefill runs on: the model's, or (prefill_dtype=bfloat16, float32 weights) a
+        bfloat16 copy of every float32 one. Activations follow the weights, so the prompt's K/V and last
+        hidden state come out in bfloat16; insert writes them into the cache in its own dtype, and the
+        first token's logits use the float32 head. Chunked prefill (long prompts, prompt logprobs) and
+        decode keep the model's weights."""
+        if self.engine_config.prefill_dtype != "bfloat16":
+            return self.params
+
+        def narrow(a: Any) -> Any:
+            return a.astype(jnp.bfloat16) if getattr(a, "dtype", None) == jnp.float32 else a
+
+        return jax.tree.map(narrow, self.params)
+
     @property
     def cache_dtype(self) -> Any:
         """What the dense KV cache holds: the model's dtype, or bfloat16 bits (kv_cache_dtype=bfloat16)."""
@@ -379,7 +401,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
     ) -> Prefix:
         """Prefill up to `max_concurrent_prefill` prompts in one call, packed one after another into the
         smallest bucket that holds them all (no padding per prompt). Dispatched asynchronously."""
-        return self._prefill(self.params, *self._pack(prompts, params, stop_ids))
+        return self._prefill(self.prefill_params, *self._pack(prompts, params, stop_ids))
 
     def pack_budget(self, first_length: int) -> int:
         """Prompt tokens one prefill call may pack when its first prompt has ``first_length`` tokens: the
@@ -518,7 +540,11 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         # a bucket of max_length holds at most max_length - 1 prompt tokens (one is generated)
         warm = {n: [1] * min(n, self.max_prompt_length) for n in self.prefill_lengths}
         jobs = [
-            (f"prefill bucket {n}", self._prefill, (self.params, *self._pack([warm[n]], greedy, None)))
+            (
+                f"prefill bucket {n}",
+                self._prefill,
+                (self.prefill_params, *self._pack([warm[n]], greedy, None)),
+            )
             for n in self.prefill_lengths
         ]
         jobs += [
