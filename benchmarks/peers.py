@@ -150,6 +150,9 @@ def discover(opts: Any, concurrency: int) -> list[Peer | Skipped]:
             argv = [
                 binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(concurrency),
                 "-c", str(concurrency * CONTEXT_PER_SEQUENCE),
+                # one HTTP thread per stream: the default (one per core) leaves connections beyond the
+                # second waiting, and the client's writes to them fail ("Can not write request body")
+                "--threads-http", str(concurrency + 4),
             ]  # fmt: skip
             out.append(Peer(name, argv + shlex.split(opts.llama_args or ""), port, "/health"))
     return out

@@ -305,7 +305,10 @@ async def http_run(
     headers = {"Content-Type": "application/json"}
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
-    connector = aiohttp.TCPConnector(limit=0, ssl=False if args.insecure else None)
+    # a fresh connection per request: llama-server closes a keep-alive connection after a few requests, and
+    # a pooled one it closed fails the next request's write ("Can not write request body"); on loopback the
+    # handshake costs every server the same ~0.1 ms
+    connector = aiohttp.TCPConnector(limit=0, force_close=True, ssl=False if args.insecure else None)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         model = args.model_name

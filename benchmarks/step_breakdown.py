@@ -2,7 +2,7 @@
 
     python benchmarks/step_breakdown.py                          # vdriver, default model, mixed-32
     python benchmarks/step_breakdown.py --speculative ngram      # the same with n-gram speculation
-    python benchmarks/step_breakdown.py --kv-cache-dtype bfloat16
+    python benchmarks/step_breakdown.py --kv-cache-dtype bfloat16 --prefill-dtype bfloat16
     python benchmarks/step_breakdown.py --preset quote-32 --json
 
 The workload of `benchmarks/serving.py --preset P` runs through `vSurge.complete` on one asyncio loop (no
@@ -111,7 +111,7 @@ def prefill_per_token(engine: Any, tokens: int = 128, reps: int = 3) -> float:
 
     from vsurge.sampling_params import SamplingParams
 
-    args = (engine.params, *engine._pack([[7] * tokens], [SamplingParams(max_tokens=1)], None))
+    args = (engine.prefill_params, *engine._pack([[7] * tokens], [SamplingParams(max_tokens=1)], None))
     jax.block_until_ready(engine._prefill(*args))
     t = time.perf_counter()
     for _ in range(reps):
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=None, help="default: vsurge serve's")
     p.add_argument("--speculative", default="none", choices=["none", "ngram"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
+    p.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_concurrent_decodes": args.slots,
         "speculative": args.speculative,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "prefill_dtype": args.prefill_dtype,
     }
     if args.max_length:
         kw["max_length"] = args.max_length
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "speculative": args.speculative,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "prefill_dtype": args.prefill_dtype,
         "wall_s": round(wall, 1),
         "output_tok_s": round(summary["output_token_throughput"], 1),
         "ttft_p50_s": summary["ttft_s"].get("p50"),
