@@ -461,54 +461,6 @@ def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
     assert s.driver.num_used_slots == 0
 
 
-def test_a_long_prompts_bucket_is_filled_with_waiting_prompts(tiny):
-    # A prompt longer than prefill_pack_tokens runs in a bucket it leaves partly empty, and that call
-    # computes every position of the bucket: prompts waiting behind it ride in the padding (40 + 4 x 5
-    # tokens in the 64 bucket, not 40 alone and then the short ones), each with its own reference tokens.
-    model, tok = tiny
-    s = vSurge.create_vdriver(
-        model,
-        tok,
-        max_concurrent_decodes=8,
-        prefill_lengths=BUCKETS,
-        max_length=MAX_LEN,
-        prefill_pack_tokens=16,
-    )
-    engine = s.driver.engines[0]
-    s.compile()
-    calls: list[list[int]] = []
-    gate, held = threading.Event(), threading.Event()
-    real = engine.prefill_many
-
-    def recording(prompts, *a, **kw):
-        if prompts[0][0] == 77:  # the first request holds the prefill thread while the others queue up
-            held.set()
-            gate.wait(20)
-        calls.append([len(p) for p in prompts])
-        return real(prompts, *a, **kw)
-
-    engine.prefill_many = recording
-    rng = np.random.RandomState(5)
-    prompts = [[77, 5, 6], list(rng.randint(3, 300, size=40))] + [
-        list(rng.randint(3, 300, size=5)) for _ in range(4)
-    ]
-    want = [greedy_generate(model, [p], 5)[0] for p in prompts]
-    s.start()
-    try:
-        actives = [s.submit(ids_request(prompts[0], 5))]
-        assert held.wait(10)
-        actives += [s.submit(ids_request(p, 5)) for p in prompts[1:]]
-        time.sleep(0.2)
-        gate.set()
-        got = [[t for items in a.channel for x in items for t in x.token_ids] for a in actives]
-    finally:
-        gate.set()
-        s.stop()
-    assert got == want
-    assert calls == [[3], [40, 5, 5, 5, 5]], calls
-    assert s.driver.num_used_slots == 0
-
-
 @pytest.mark.parametrize(
     "dtypes", [{}, {"prefill_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}], ids=["model", "bfloat16"]
 )

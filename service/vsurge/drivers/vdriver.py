@@ -6,10 +6,10 @@
 
 The queues, threads, request lifecycle and detokenizer are the pipeline's (pipeline.py). What is vDriver's
 own: the feeders and the slots. A prefill thread packs the prompts waiting in the queue (up to the engine's
-max_concurrent_prefill, within the bucket the first of them needs and at least prefill_pack_tokens) into
-one prefill call: under load the prompt work is batched, while a lone prompt goes at once; the transfer
-thread moves the prefixes to a decode engine's devices. Each decode engine's step thread holds its slots
-(plain integers, ``DenseSlots``), inserts prefilled requests into free slots and runs the decode steps.
+max_concurrent_prefill, within its prefill_pack_tokens) into one prefill call: under load the prompt work
+is batched, while a lone prompt goes at once; the transfer thread moves the prefixes to a decode engine's
+devices. Each decode engine's step thread holds its slots (plain integers, ``DenseSlots``), inserts
+prefilled requests into free slots and runs the decode steps.
 """
 
 from __future__ import annotations
@@ -395,10 +395,11 @@ class vDriver:  # noqa: N801 - the seed's name
 
     def _take_batch(self, engine: vEngine, carry: ActiveRequest | None):
         """The requests of the next prefill call: what is waiting, up to max_concurrent_prefill prompts
-        within the first one's pack budget (its bucket, at least prefill_pack_tokens: vEngine.pack_budget).
-        Returns (batch, the request that did not fit, for the next call)."""
+        within prefill_pack_tokens (a longer prompt goes alone: filling its bucket's padding with the prompts
+        behind it measured 3-6% slower under mixed-32). Returns (batch, the request that did not fit, for
+        the next call)."""
         batch: list[ActiveRequest] = []
-        tokens = budget = 0
+        tokens = 0
         q = self.pipeline.prefill_q
         while len(batch) < engine.max_concurrent_prefill:
             if carry is not None:
@@ -411,10 +412,8 @@ class vDriver:  # noqa: N801 - the seed's name
             if not self._admit_prefill(engine, req):
                 continue
             alone = engine.needs_chunks(req.prompt_ids, req.params)  # chunk by chunk, in its own call
-            if batch and (alone or tokens + len(req.prompt_ids) > budget):
+            if batch and (alone or tokens + len(req.prompt_ids) > engine.prefill_pack_tokens):
                 return batch, req
-            if not batch and not alone:
-                budget = engine.pack_budget(len(req.prompt_ids))
             batch.append(req)
             tokens += len(req.prompt_ids)
             if alone:

@@ -403,12 +403,6 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         smallest bucket that holds them all (no padding per prompt). Dispatched asynchronously."""
         return self._prefill(self.prefill_params, *self._pack(prompts, params, stop_ids))
 
-    def pack_budget(self, first_length: int) -> int:
-        """Prompt tokens one prefill call may pack when its first prompt has ``first_length`` tokens: the
-        whole bucket that prompt needs, at least ``prefill_pack_tokens``. The call computes every position
-        of its bucket, so prompts that fit in the first one's padding are prefilled for free."""
-        return self.bucket_for(max(first_length, self.prefill_pack_tokens))
-
     def _pack(self, prompts, params, stop_ids) -> tuple:
         k = self.max_concurrent_prefill
         if not 1 <= len(prompts) <= k or len(params) != len(prompts):
