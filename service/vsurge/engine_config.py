@@ -46,13 +46,14 @@ __all__ = [
 DEFAULT_SEED = 894  # the seed's engine seed, for requests without a seed of their own
 DRIVERS = ("vdriver", "odriver")
 ATTENTION_BACKENDS = ("auto", "pallas", "jax")  # paged attention (models/pallas_sharded.py)
+# weight quantization at load (models/quantization.py)
 QUANTIZATIONS = ("none", "int8")
-SPECULATIVE_METHODS = ("none", "ngram")  # speculative decoding (engines/speculative.py)
+# speculative decoding (engines/speculative.py)
+SPECULATIVE_METHODS = ("none", "ngram")
+# vEngine's dense cache (models/attention.py: kv_store / kv_load)
 KV_CACHE_DTYPES = ("auto", "bfloat16")
-PREFILL_DTYPES = (
-    "auto",
-    "bfloat16",
-)  # vEngine's packed prefill (engines/vengine.py: prefill_params)  # vEngine's dense cache (models/attention.py: kv_store / kv_load)
+# vEngine's packed prefill (engines/vengine.py: prefill_params)
+PREFILL_DTYPES = ("auto", "bfloat16")
 MAX_LENGTH_CAP = 2048  # max_length=None: the model's context, at most this
 
 # Defaults that differ by driver, for fields left at None (the engine fills them in).

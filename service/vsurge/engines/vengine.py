@@ -213,7 +213,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
 
         logits_sharding = self.logits_sharding
         self._prefill = jax.jit(partial(_prefill_impl, self.graphdef))
-        self.prefill_params = self._prefill_weights()
+        self.prefill_params, prefill_dtype = self._prefill_weights()
         self._first = jax.jit(
             partial(_first_impl, self.graphdef, num_top=num_top_logprobs, logits_sharding=logits_sharding)
         )
@@ -253,7 +253,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
                 _long_prefix_impl,
                 entries=self.max_concurrent_prefill,
                 vocab=self.config.vocab_size,
-                dtype=self.model.dtype if self.prefill_params is self.params else jnp.bfloat16,
+                dtype=prefill_dtype,
             )
         )
         # n-gram speculative decoding: the verify step per row bucket (spec_verify.py)
@@ -265,19 +265,19 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self.compiled = False
 
     # ------------------------------------------------------------------ state
-    def _prefill_weights(self) -> Any:
-        """The weights packed prefill runs on: the model's, or (prefill_dtype=bfloat16, float32 weights) a
-        bfloat16 copy of every float32 one. Activations follow the weights, so the prompt's K/V and last
+    def _prefill_weights(self) -> tuple[Any, Any]:
+        """(weights, activation dtype) packed prefill runs on: the model's, or (prefill_dtype=bfloat16,
+        float32 weights) a bfloat16 copy of every float32 one. Activations follow the weights, so the prompt's K/V and last
         hidden state come out in bfloat16; insert writes them into the cache in its own dtype, and the
         first token's logits use the float32 head. Chunked prefill (long prompts, prompt logprobs) and
         decode keep the model's weights."""
-        if self.engine_config.prefill_dtype != "bfloat16":
-            return self.params
+        if self.engine_config.prefill_dtype != "bfloat16" or self.model.dtype != jnp.float32:
+            return self.params, self.model.dtype
 
         def narrow(a: Any) -> Any:
             return a.astype(jnp.bfloat16) if getattr(a, "dtype", None) == jnp.float32 else a
 
-        return jax.tree.map(narrow, self.params)
+        return jax.tree.map(narrow, self.params), jnp.bfloat16
 
     @property
     def cache_dtype(self) -> Any:
