@@ -24,9 +24,9 @@ from typing import Any
 
 NGRAM_ARGS = ["--speculative", "ngram", "--num-speculative-tokens", "4"]
 BF16_KV_ARGS = ["--kv-cache-dtype", "bfloat16"]
-BF16_ARGS = [*BF16_KV_ARGS, "--prefill-dtype", "bfloat16"]
+BF16_ARGS = [*BF16_KV_ARGS, "--prefill-dtype", "bfloat16", "--decode-dtype", "bfloat16"]
 # `vsurge serve` arguments of each vSurge server: a driver, n-gram speculative decoding (K draft tokens per
-# step), a bfloat16 KV cache, bfloat16 prefill as well, and combinations
+# step), a bfloat16 KV cache, bfloat16 prefill and decode matmuls as well, and combinations
 VSURGE_MODES = {
     "vsurge-vdriver": ["--driver", "vdriver"],
     "vsurge-odriver": ["--driver", "odriver"],

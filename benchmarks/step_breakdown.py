@@ -97,11 +97,11 @@ def alone(engine: Any, rows: int, limit: int, reps: int = 5) -> float:
 
     state = engine.init_decode_state()
     fn = engine._decode[rows]
-    state, out = fn(engine.params, state, np.int32(limit))
+    state, out = fn(engine.step_params(rows), state, np.int32(limit))
     jax.block_until_ready(out)
     t = time.perf_counter()
     for _ in range(reps):
-        state, out = fn(engine.params, state, np.int32(limit))
+        state, out = fn(engine.step_params(rows), state, np.int32(limit))
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / reps
 
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative", default="none", choices=["none", "ngram"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
     p.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16"])
+    p.add_argument("--decode-dtype", default="auto", choices=["auto", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "speculative": args.speculative,
         "kv_cache_dtype": args.kv_cache_dtype,
         "prefill_dtype": args.prefill_dtype,
+        "decode_dtype": args.decode_dtype,
     }
     if args.max_length:
         kw["max_length"] = args.max_length
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "speculative": args.speculative,
         "kv_cache_dtype": args.kv_cache_dtype,
         "prefill_dtype": args.prefill_dtype,
+        "decode_dtype": args.decode_dtype,
         "wall_s": round(wall, 1),
         "output_tok_s": round(summary["output_token_throughput"], 1),
         "ttft_p50_s": summary["ttft_s"].get("p50"),

@@ -153,6 +153,7 @@ def env(model: ModelSpec) -> list[dict[str, Any]]:
         ("VSURGE_NUM_SPECULATIVE_TOKENS", e.num_speculative_tokens),
         ("VSURGE_KV_CACHE_DTYPE", e.kv_cache_dtype),
         ("VSURGE_PREFILL_DTYPE", e.prefill_dtype),
+        ("VSURGE_DECODE_DTYPE", e.decode_dtype),
     ]
     out += [_value_env(k, v) for k, v in optional if v is not None]
     out.append(_value_env("VSURGE_CACHE_DIR", CACHE_DIR))

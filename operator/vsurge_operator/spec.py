@@ -45,6 +45,7 @@ class EngineSpec:
     num_speculative_tokens: int | None = None
     kv_cache_dtype: str | None = None
     prefill_dtype: str | None = None
+    decode_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ _ENGINE_KEYS = {
     "numSpeculativeTokens": "num_speculative_tokens",
     "kvCacheDtype": "kv_cache_dtype",
     "prefillDtype": "prefill_dtype",
+    "decodeDtype": "decode_dtype",
 }
 
 

@@ -38,6 +38,7 @@ QUANTIZATIONS = ("none", "int8")
 SPECULATIVE_METHODS = ("none", "ngram")
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 PREFILL_DTYPES = ("auto", "bfloat16")
+DECODE_DTYPES = ("auto", "bfloat16")
 GPU_TYPE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"  # a label value (<= 63 characters)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 PAGE_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -208,6 +209,9 @@ def _validate_engine(c: _Checker, engine: Mapping[str, Any]) -> None:
     c.string(engine.get("prefillDtype"), "spec.engine.prefillDtype", choices=PREFILL_DTYPES)
     if engine.get("prefillDtype") not in (None, "auto") and engine.get("driver") not in (None, "vdriver"):
         c.fail("spec.engine.prefillDtype", "prefillDtype applies to driver vdriver's packed prefill")
+    c.string(engine.get("decodeDtype"), "spec.engine.decodeDtype", choices=DECODE_DTYPES)
+    if engine.get("decodeDtype") not in (None, "auto") and engine.get("driver") not in (None, "vdriver"):
+        c.fail("spec.engine.decodeDtype", "decodeDtype applies to driver vdriver's decode step")
     c.string(engine.get("mesh"), "spec.engine.mesh", MESH_PATTERN)
     if isinstance(engine.get("mesh"), str) and len(engine["mesh"]) > MESH_MAX_LENGTH:
         c.fail("spec.engine.mesh", f"must be at most {MESH_MAX_LENGTH} characters")

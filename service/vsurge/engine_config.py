@@ -36,6 +36,7 @@ __all__ = [
     "SPECULATIVE_METHODS",
     "KV_CACHE_DTYPES",
     "PREFILL_DTYPES",
+    "DECODE_DTYPES",
     "EngineConfig",
     "driver_default",
     "env_name",
@@ -54,6 +55,8 @@ SPECULATIVE_METHODS = ("none", "ngram")
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 # vEngine's packed prefill (engines/vengine.py: prefill_params)
 PREFILL_DTYPES = ("auto", "bfloat16")
+# vEngine's decode steps (engines/vengine.py: step_params)
+DECODE_DTYPES = ("auto", "bfloat16")
 MAX_LENGTH_CAP = 2048  # max_length=None: the model's context, at most this
 
 # Defaults that differ by driver, for fields left at None (the engine fills them in).
@@ -305,12 +308,20 @@ class EngineConfig:
     )
     prefill_dtype: str = knob(
         "auto",
-        "packed prefill's compute dtype: auto (the model's) or bfloat16 (a bfloat16 copy of float32 weights "
-        "for prompt processing: XLA:CPU's bf16 matmuls are ~1.6x faster; decode stays in the model's dtype; "
+        "prefill's matmul dtype: auto (the model's) or bfloat16 (a bfloat16 copy of float32 kernels for "
+        "prompt processing, float32 activations and accumulation: XLA:CPU's bf16 matmuls are ~1.7x faster; "
         "vdriver)",
         check=_one_of(*PREFILL_DTYPES),
         serve=True,
         text=parse_choice(*PREFILL_DTYPES),
+    )
+    decode_dtype: str = knob(
+        "auto",
+        "decode's matmul dtype: auto (the model's) or bfloat16 (a bfloat16 copy of float32 matmul kernels "
+        "for decode steps of 8 rows or more, float32 activations and accumulation; vdriver)",
+        check=_one_of(*DECODE_DTYPES),
+        serve=True,
+        text=parse_choice(*DECODE_DTYPES),
     )
     interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
     max_decode_stall: float = knob(
@@ -352,6 +363,10 @@ class EngineConfig:
         if self.prefill_dtype != "auto" and self.driver != "vdriver":
             raise ValueError(
                 f"prefill_dtype: {self.prefill_dtype} is vdriver's packed prefill, not {self.driver}'s"
+            )
+        if self.decode_dtype != "auto" and self.driver != "vdriver":
+            raise ValueError(
+                f"decode_dtype: {self.decode_dtype} is vdriver's decode step, not {self.driver}'s"
             )
         mpl, ml = self.max_prefill_length, self.max_length
         if mpl is not None and ml is not None and mpl > ml:

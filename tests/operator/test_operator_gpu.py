@@ -1,6 +1,6 @@
 """GPU placement (spec.gpu), int8 weights (spec.engine.quantization), speculative decoding
-(spec.engine.speculative, numSpeculativeTokens), the KV cache and prefill dtypes (spec.engine.kvCacheDtype,
-prefillDtype): CRD
+(spec.engine.speculative, numSpeculativeTokens), the KV cache, prefill and decode dtypes
+(spec.engine.kvCacheDtype, prefillDtype, decodeDtype): CRD
 schema, validation, manifests, and the pod's environment as `vsurge serve` reads it."""
 
 from __future__ import annotations
@@ -80,24 +80,26 @@ def test_speculative_decoding_reaches_the_pod_and_vsurge_serve():
     assert "VSURGE_SPECULATIVE" not in unset and "VSURGE_NUM_SPECULATIVE_TOKENS" not in unset
 
 
-def test_kv_cache_and_prefill_dtypes_reach_the_pod_and_vsurge_serve():
+def test_kv_cache_prefill_and_decode_dtypes_reach_the_pod_and_vsurge_serve():
     from vsurge.cli import parse_serve_config
-    from vsurge.engine_config import KV_CACHE_DTYPES, PREFILL_DTYPES
+    from vsurge.engine_config import DECODE_DTYPES, KV_CACHE_DTYPES, PREFILL_DTYPES
 
     engine = SPEC["properties"]["engine"]["properties"]
     assert tuple(engine["kvCacheDtype"]["enum"]) == KV_CACHE_DTYPES == validation.KV_CACHE_DTYPES
     assert tuple(engine["prefillDtype"]["enum"]) == PREFILL_DTYPES == validation.PREFILL_DTYPES
-    b = body(engine={"kvCacheDtype": "bfloat16", "prefillDtype": "bfloat16"})
+    assert tuple(engine["decodeDtype"]["enum"]) == DECODE_DTYPES == validation.DECODE_DTYPES
+    b = body(engine={"kvCacheDtype": "bfloat16", "prefillDtype": "bfloat16", "decodeDtype": "bfloat16"})
     VALIDATOR.validate(b)
     assert validation.validate(b) == []
     values = env(spec.parse(b))
-    assert values["VSURGE_KV_CACHE_DTYPE"] == values["VSURGE_PREFILL_DTYPE"] == "bfloat16"
+    names = ("VSURGE_KV_CACHE_DTYPE", "VSURGE_PREFILL_DTYPE", "VSURGE_DECODE_DTYPE")
+    assert [values[n] for n in names] == ["bfloat16"] * 3
     cfg = parse_serve_config(
         [], {k: v for k, v in values.items() if k.startswith("VSURGE_") and v is not None}
     )
-    assert cfg.engine.kv_cache_dtype == cfg.engine.prefill_dtype == "bfloat16"
+    assert cfg.engine.kv_cache_dtype == cfg.engine.prefill_dtype == cfg.engine.decode_dtype == "bfloat16"
     unset = env(spec.parse(body()))
-    assert "VSURGE_KV_CACHE_DTYPE" not in unset and "VSURGE_PREFILL_DTYPE" not in unset
+    assert not set(names) & set(unset)
 
 
 @pytest.mark.parametrize(

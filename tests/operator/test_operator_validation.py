@@ -78,6 +78,8 @@ BAD = [
     ("spec.engine.kvCacheDtype", _with("spec.engine", {"kvCacheDtype": "bfloat16", "driver": "odriver"})),
     ("spec.engine.prefillDtype", _with("spec.engine", {"prefillDtype": "float8"})),
     ("spec.engine.prefillDtype", _with("spec.engine", {"prefillDtype": "bfloat16", "driver": "odriver"})),
+    ("spec.engine.decodeDtype", _with("spec.engine", {"decodeDtype": "float8"})),
+    ("spec.engine.decodeDtype", _with("spec.engine", {"decodeDtype": "bfloat16", "driver": "odriver"})),
     ("spec.engine.numSpeculativeTokens", _with("spec.engine", {"numSpeculativeTokens": 0})),
     ("spec.engine.numSpeculativeTokens", _with("spec.engine", {"numSpeculativeTokens": 17})),
     ("spec.engine.mesh", _with("spec.engine", {"mesh": "tp=0"})),

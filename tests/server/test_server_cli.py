@@ -163,7 +163,7 @@ def test_speculative_flags_reach_the_engine(tiny_dir):
     assert surge.metrics().spec_decode_draft_tokens_total == 0
 
 
-def test_kv_cache_and_prefill_dtypes_reach_the_engine(tiny_dir):
+def test_kv_cache_prefill_and_decode_dtypes_reach_the_engine(tiny_dir):
     import jax
     import jax.numpy as jnp
 
@@ -171,19 +171,28 @@ def test_kv_cache_and_prefill_dtypes_reach_the_engine(tiny_dir):
     from vsurge.cli import build_surge
     from vsurge.models.attention import KV_BITS
 
-    flags = ["--kv-cache-dtype", "bfloat16", "--prefill-dtype", "bfloat16", "--max-length=96"]
+    flags = ["--kv-cache-dtype", "bfloat16", "--prefill-dtype", "bfloat16", "--decode-dtype", "bfloat16"]
     engine = build_surge(
-        parse_serve_config(flags + ["--prefill-lengths=16"], {}), *vsurge.load_model(tiny_dir)
+        parse_serve_config(
+            flags + ["--max-length=96", "--prefill-lengths=16", "--max-concurrent-decodes=8"], {}
+        ),
+        *vsurge.load_model(tiny_dir),
     )
     engine = engine.driver.engines[0]
     assert engine.cache_dtype == KV_BITS
-    assert {a.dtype for a in jax.tree.leaves(engine.prefill_params)} == {jnp.dtype(jnp.bfloat16)}
-    env = parse_serve_config([], {"VSURGE_KV_CACHE_DTYPE": "bfloat16", "VSURGE_PREFILL_DTYPE": "bfloat16"})
-    assert env.engine.kv_cache_dtype == env.engine.prefill_dtype == "bfloat16"
+    bf16 = jnp.dtype(jnp.bfloat16)
+    assert bf16 in {a.dtype for a in jax.tree.leaves(engine.prefill_params)}
+    assert bf16 in {a.dtype for a in jax.tree.leaves(engine.step_params(8))}
+    assert bf16 not in {a.dtype for a in jax.tree.leaves(engine.step_params(4))}
+    names = ("VSURGE_KV_CACHE_DTYPE", "VSURGE_PREFILL_DTYPE", "VSURGE_DECODE_DTYPE")
+    env = parse_serve_config([], dict.fromkeys(names, "bfloat16"))
+    assert env.engine.kv_cache_dtype == env.engine.prefill_dtype == env.engine.decode_dtype == "bfloat16"
     with pytest.raises(ConfigError, match="prefill_dtype: bfloat16 is vdriver's packed prefill"):
         parse_serve_config(["--driver", "odriver", "--prefill-dtype", "bfloat16"], {})
     with pytest.raises(ConfigError, match="kv_cache_dtype: bfloat16 is vdriver's dense cache"):
         parse_serve_config(["--driver", "odriver", "--kv-cache-dtype", "bfloat16"], {})
+    with pytest.raises(ConfigError, match="decode_dtype: bfloat16 is vdriver's decode step"):
+        parse_serve_config(["--driver", "odriver", "--decode-dtype", "bfloat16"], {})
 
 
 def test_tool_call_parser_reaches_the_server():

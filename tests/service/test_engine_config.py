@@ -36,6 +36,7 @@ ENGINE_FLAGS = {
     "--quantization": "VSURGE_QUANTIZATION",
     "--kv-cache-dtype": "VSURGE_KV_CACHE_DTYPE",
     "--prefill-dtype": "VSURGE_PREFILL_DTYPE",
+    "--decode-dtype": "VSURGE_DECODE_DTYPE",
 }
 
 
@@ -89,6 +90,11 @@ def test_none_means_the_default_and_lengths_are_normalized():
         ({"driver": "odriver", "kv_cache_dtype": "bfloat16"}, "kv_cache_dtype: bfloat16 is vdriver's"),
         ({"prefill_dtype": "float16"}, "prefill_dtype: must be one of auto, bfloat16"),
         ({"driver": "odriver", "prefill_dtype": "bfloat16"}, "prefill_dtype: bfloat16 is vdriver's"),
+        ({"decode_dtype": "float16"}, "decode_dtype: must be one of auto, bfloat16"),
+        (
+            {"driver": "odriver", "decode_dtype": "bfloat16"},
+            "decode_dtype: bfloat16 is vdriver's decode step",
+        ),
     ],
 )
 def test_bad_values_name_the_field(changes, fragment):
@@ -196,6 +202,7 @@ def _pod_env_names() -> dict[str, str]:
             "num_speculative_tokens": 8,
             "kv_cache_dtype": "auto",  # bfloat16 is vdriver's; this spec runs odriver
             "prefill_dtype": "auto",
+            "decode_dtype": "auto",
         }.get(f.name, 64)
     engine = spec.EngineSpec(**full_engine)
 
@@ -263,7 +270,7 @@ def test_every_vsurge_variable_on_a_pod_is_read_by_vsurge_serve(monkeypatch, tmp
     assert cfg.engine.max_concurrent_decodes == 64 and cfg.dtype == "bfloat16"
     assert cfg.engine.quantization == "int8"
     assert (cfg.engine.speculative, cfg.engine.num_speculative_tokens) == ("none", 8)
-    assert cfg.engine.kv_cache_dtype == cfg.engine.prefill_dtype == "auto"
+    assert cfg.engine.kv_cache_dtype == cfg.engine.prefill_dtype == cfg.engine.decode_dtype == "auto"
     for name in set(pod) & set(SOURCE_ENV):
         assert f'"{name}"' in inspect.getsource(importlib.import_module(SOURCE_ENV[name])), name
     from vsurge.models import default_model

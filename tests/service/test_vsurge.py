@@ -394,26 +394,42 @@ def test_bfloat16_kv_cache_decodes_within_bfloat16_rounding(tiny):
     assert 0 < gap < 0.05 * np.abs(logits[0]).max(), gap
 
 
-def test_bfloat16_prefill_matches_float32_within_rounding(tiny):
-    # prefill_dtype=bfloat16 runs packed prefill on a bfloat16 copy of the float32 weights: the prompt's
-    # K/V and last hidden state come out in bfloat16, close to the float32 prefill's; decode keeps the
-    # float32 weights; a driver built that way serves a burst of requests to their lengths.
+def _dtypes(tree) -> dict[str, set]:
     import jax
 
+    out: dict[str, set] = {}
+    for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = next(
+            (k.key for k in reversed(path) if getattr(k, "key", None) in ("kernel", "embedding")), "other"
+        )
+        out.setdefault(name, set()).add(jnp.dtype(a.dtype).name)
+    return out
+
+
+def test_bfloat16_prefill_matches_float32_within_rounding(tiny):
+    # prefill_dtype=bfloat16 runs packed prefill on a bfloat16 copy of the float32 matmul kernels while
+    # activations stay float32: the prompt's K/V and last hidden state keep the model's dtype, close to
+    # the float32 prefill's; decode keeps the float32 weights; a driver built that way serves a burst of
+    # requests to their lengths.
     from vsurge.engines.vengine import vEngine
 
     model, tok = tiny
     kw = dict(max_concurrent_decodes=4, prefill_lengths=[64], max_length=MAX_LEN)
     f32, bf16 = vEngine(model, tok, **kw), vEngine(model, tok, prefill_dtype="bfloat16", **kw)
     assert f32.prefill_params is f32.params
-    assert {a.dtype for a in jax.tree.leaves(bf16.prefill_params)} == {jnp.dtype(jnp.bfloat16)}
-    assert {a.dtype for a in jax.tree.leaves(bf16.params)} == {jnp.dtype(jnp.float32)}
+    assert _dtypes(bf16.prefill_params) == {
+        "kernel": {"bfloat16"},
+        "embedding": {"float32"},
+        "other": {"float32"},
+    }
+    assert _dtypes(bf16.params) == {"kernel": {"float32"}, "embedding": {"float32"}, "other": {"float32"}}
+    assert all(bf16.step_params(r) is bf16.params for r in bf16.decode_rows)
     prompts = [list(np.random.RandomState(3).randint(3, 300, size=n)) for n in (9, 30)]
     greedy = SamplingParams(temperature=0.0)
     a, b = (e.prefill_many(prompts, [greedy] * 2) for e in (f32, bf16))
-    assert b.hidden.dtype == b.kv[0][0].dtype == jnp.bfloat16 and a.hidden.dtype == jnp.float32
+    assert b.hidden.dtype == b.kv[0][0].dtype == a.hidden.dtype == jnp.float32
     for x, y in [(a.hidden, b.hidden), *((ka, kb) for (ka, _), (kb, _) in zip(a.kv, b.kv, strict=True))]:
-        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        x, y = np.asarray(x), np.asarray(y)
         gap = np.abs(x - y).max()
         assert 0 < gap < 0.05 * np.abs(x).max(), gap
 
@@ -427,6 +443,37 @@ def test_bfloat16_prefill_matches_float32_within_rounding(tiny):
         s.stop()
     assert [len(g) for g in got] == [7] * 6
     assert s.driver.num_used_slots == 0
+
+
+def test_bfloat16_decode_runs_from_eight_rows_within_rounding(tiny):
+    # decode_dtype=bfloat16: decode steps of BF16_DECODE_MIN_ROWS rows or more run on the bfloat16 copy,
+    # smaller ones on the float32 weights (XLA:CPU's bfloat16 matrix-vector path is slow). One live row:
+    # the same logits as a float32 engine; a row in slot 7 (the 8-row step): close, not equal.
+    from vsurge.engines.vengine import BF16_DECODE_MIN_ROWS, vEngine
+
+    model, tok = tiny
+    kw = dict(max_concurrent_decodes=8, prefill_lengths=[64], max_length=MAX_LEN)
+    f32, bf16 = vEngine(model, tok, **kw), vEngine(model, tok, decode_dtype="bfloat16", **kw)
+    assert BF16_DECODE_MIN_ROWS == 8 and bf16.decode_rows[-1] == 8
+    assert bf16.step_params(4) is bf16.params and bf16.prefill_params is bf16.params
+    assert _dtypes(bf16.step_params(8))["kernel"] == {"bfloat16"}
+    assert all(f32.step_params(r) is f32.params for r in f32.decode_rows)
+    prompt = list(np.random.RandomState(5).randint(3, 300, size=20))
+    greedy = SamplingParams(temperature=0.0)
+    words = np.full((8, -(-model.config.vocab_size // 32)), -1)
+    steps = {}
+    for name, engine in (("f32", f32), ("bf16", bf16)):
+        state = engine.init_decode_state()
+        state, _ = engine.insert(engine.prefill(prompt, greedy), state, 0)
+        state, one = engine.decode_logits(state)
+        state, _ = engine.decode_sample(state, one, words)
+        state, _ = engine.insert(engine.prefill(prompt, greedy), state, 7)
+        assert engine.decode_bucket() == 8
+        state, eight = engine.decode_logits(state)
+        steps[name] = np.asarray(one[0]), np.asarray(eight[7])
+    assert np.array_equal(steps["f32"][0], steps["bf16"][0])
+    gap = np.abs(steps["f32"][1] - steps["bf16"][1]).max()
+    assert 0 < gap < 0.05 * np.abs(steps["f32"][1]).max(), gap
 
 
 def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
@@ -461,15 +508,17 @@ def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
     assert s.driver.num_used_slots == 0
 
 
-@pytest.mark.parametrize(
-    "dtypes", [{}, {"prefill_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}], ids=["model", "bfloat16"]
-)
+BF16 = {"prefill_dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "decode_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("dtypes", [{}, BF16], ids=["model", "bfloat16"])
 def test_no_compilation_on_live_requests(tiny, dtypes):
     from jit_watch import compiled_while_serving
 
     model, tok = tiny
+    slots = 8 if dtypes else 4  # 8: the bfloat16 decode step is one of the buckets
     s = vSurge.create_vdriver(
-        model, tok, max_concurrent_decodes=4, prefill_lengths=BUCKETS, max_length=MAX_LEN, **dtypes
+        model, tok, max_concurrent_decodes=slots, prefill_lengths=BUCKETS, max_length=MAX_LEN, **dtypes
     )
     s.compile()
     compiled = compiled_while_serving(s)

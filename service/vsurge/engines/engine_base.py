@@ -140,10 +140,11 @@ class EngineBase:
         self.decode_rows = row_buckets(self.max_concurrent_decodes, smallest_rows)
         self.logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
 
-    def _make_chunked(self) -> ChunkedPrefill:
+    def _make_chunked(self, params: Any = None) -> ChunkedPrefill:
+        """The chunked prefill, on ``params`` (default: the model's weights)."""
         return ChunkedPrefill(
             self.graphdef,
-            self.params,
+            self.params if params is None else params,
             self.config,
             self.prefill_lengths,
             self.max_prefill_length,

@@ -193,7 +193,13 @@ class SpeculativeVerifier:
             (
                 f"verify slots={r} k={self.k}",
                 fn,
-                (eng.params, state, np.zeros((r, self.k), np.int32), np.zeros(r, np.int32), np.int32(1)),
+                (
+                    eng.step_params(r),
+                    state,
+                    np.zeros((r, self.k), np.int32),
+                    np.zeros(r, np.int32),
+                    np.int32(1),
+                ),
             )
             for r, fn in self._fns.items()
         ]
@@ -203,20 +209,20 @@ class SpeculativeVerifier:
         the decode step of the same row bucket: `cost_ratio`, for the driver's choice of step."""
         eng = self.engine
 
-        def timed(fn, *args):
+        def timed(fn, rows, *args):
             t = time.perf_counter()
-            new, out = fn(eng.params, *args)
+            new, out = fn(eng.step_params(rows), *args)
             jax.block_until_ready(out)
             return new, time.perf_counter() - t
 
         for r, fn in self._fns.items():
             draft, num = np.zeros((r, self.k), np.int32), np.zeros(r, np.int32)
-            state, _ = timed(fn, state, draft, num, np.int32(1))  # the first run pays for loading
+            state, _ = timed(fn, r, state, draft, num, np.int32(1))  # the first run pays for loading
             t_verify, t_decode = [], []
             for _ in range(repeats):
-                state, t = timed(fn, state, draft, num, np.int32(1))
+                state, t = timed(fn, r, state, draft, num, np.int32(1))
                 t_verify.append(t)
-                state, t = timed(eng._decode[r], state, np.int32(1))
+                state, t = timed(eng._decode[r], r, state, np.int32(1))
                 t_decode.append(t)
             self.cost_ratio[r] = max(1.0, min(t_verify) / max(min(t_decode), 1e-9))
         return state
@@ -231,6 +237,8 @@ class SpeculativeVerifier:
         room = np.maximum(eng.max_length - 2 - eng._pos[:rows], 0)
         num = np.minimum(np.asarray(num_draft[:rows], np.int32), room).astype(np.int32)
         limit = np.int32(eng._pos[live].max() + self.k + 1 if live.size else 1)
-        state, res = self._fns[rows](eng.params, state, np.asarray(draft[:rows], np.int32), num, limit)
+        state, res = self._fns[rows](
+            eng.step_params(rows), state, np.asarray(draft[:rows], np.int32), num, limit
+        )
         eng._pos[:rows] += np.where(eng._active[:rows], np.asarray(res.num_accepted) + 1, 0)
         return state, res

@@ -42,7 +42,8 @@ class Linear(nnx.Module):
         if self.scale is not None:
             y = int8_matmul(x, self.kernel[...], self.scale[...]).astype(x.dtype)
         else:
-            y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
+            k = self.kernel[...]  # a bfloat16 copy of float32 weights: the input is cast to it (vengine.py)
+            y = jnp.dot(x.astype(k.dtype), k, preferred_element_type=jnp.float32).astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -180,7 +181,8 @@ class LlamaForCausalLM(nnx.Module):
             return jnp.dot(hidden, w.T, preferred_element_type=jnp.float32)
         if self.lm_head.scale is not None:
             return int8_matmul(hidden, self.lm_head.kernel[...], self.lm_head.scale[...])
-        return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        w = self.lm_head.kernel[...]  # bfloat16 copy of a float32 head: the input is cast (vengine.py)
+        return jnp.dot(hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 # The family: one model class for four model_types, differing only in their configs.
