@@ -97,11 +97,12 @@ def alone(engine: Any, rows: int, limit: int, reps: int = 5) -> float:
 
     state = engine.init_decode_state()
     fn = engine._decode[rows]
-    state, out = fn(engine.step_params(rows), state, np.int32(limit))
+    lengths = np.full(rows, limit, np.int32)  # every row at that context
+    state, out = fn(engine.step_params(rows), state, lengths)
     jax.block_until_ready(out)
     t = time.perf_counter()
     for _ in range(reps):
-        state, out = fn(engine.step_params(rows), state, np.int32(limit))
+        state, out = fn(engine.step_params(rows), state, lengths)
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / reps
 

@@ -77,3 +77,74 @@ def test_packed_prefill_attends_within_each_prompt():
             want = _softmax_attend(q[0, start + i], k[0], v[0], allowed)
             np.testing.assert_allclose(np.asarray(out[0, start + i]), want, rtol=2e-5, atol=2e-5)
         start += n
+
+
+def _rows(rng, s, m, t, kvh, g, d):
+    kc = rng.normal(size=(s, m, kvh, d)).astype(np.float32)
+    vc = rng.normal(size=(s, m, kvh, d)).astype(np.float32)
+    q = rng.normal(size=(s, t, kvh * g, d)).astype(np.float32)
+    k = rng.normal(size=(s, t, kvh, d)).astype(np.float32)
+    v = rng.normal(size=(s, t, kvh, d)).astype(np.float32)
+    return kc, vc, q, k, v
+
+
+@pytest.mark.parametrize("s, spread", [(20, True), (32, True), (32, False)])
+def test_rows_read_in_sorted_groups_match_softmax(s, spread):
+    # More rows than READ_GROUP: rows are sorted by the length they read and, when lengths differ enough
+    # (spread), read in groups, each group stopping after its own longest row; else in one pass. Every
+    # live row gets its exact attention either way (groups of unequal lengths, a last group smaller than
+    # READ_GROUP at 20 rows); an idle row (length 0) comes out 0.
+    from vsurge.models.attention import READ_GROUP
+
+    assert s > READ_GROUP
+    rng = np.random.default_rng(2)
+    m, kvh, g, d = 100, 2, 3, 8
+    kc, vc, q, k, v = _rows(rng, s, m, 1, kvh, g, d)
+    pos = rng.integers(0, m, size=s) if spread else rng.integers(m - 6, m, size=s)
+    pos = pos.astype(np.int32)
+    live = rng.random(s) < 0.7 if spread else np.ones(s, bool)
+    live[:2] = [True, not spread]
+    lengths = np.where(live, pos + 1, 0).astype(np.int32)
+    out, _ = DenseDecodeAttention(chunk=16)(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        (jnp.asarray(kc), jnp.asarray(vc)),
+        (jnp.asarray(pos), jnp.asarray(lengths)),
+    )
+    for r in range(s):
+        if not live[r]:
+            np.testing.assert_array_equal(np.asarray(out[r]), 0)
+            continue
+        kc[r, pos[r]], vc[r, pos[r]] = k[r, 0], v[r, 0]
+        want = _softmax_attend(q[r, 0], kc[r], vc[r], np.arange(m) <= pos[r])
+        np.testing.assert_allclose(np.asarray(out[r, 0]), want, rtol=2e-5, atol=2e-5)
+
+
+def test_verify_rows_read_in_sorted_groups_match_softmax():
+    # The verify step's attention (T new tokens per row) reads the same way: token t of row r sees the
+    # row's cache up to its own position, the new tokens before it included; idle rows read nothing.
+    from vsurge.engines.spec_verify import DenseVerifyAttention
+
+    rng = np.random.default_rng(3)
+    s, m, t, kvh, g, d = 12, 90, 3, 2, 2, 8
+    kc, vc, q, k, v = _rows(rng, s, m, t, kvh, g, d)
+    pos = rng.integers(0, m - t, size=s).astype(np.int32)
+    live = np.ones(s, bool)
+    live[[3, 7]] = False
+    lengths = np.where(live, pos + t, 0).astype(np.int32)
+    out, _ = DenseVerifyAttention(chunk=16)(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        (jnp.asarray(kc), jnp.asarray(vc)),
+        (jnp.asarray(pos), jnp.asarray(lengths)),
+    )
+    for r in range(s):
+        if not live[r]:
+            np.testing.assert_array_equal(np.asarray(out[r]), 0)
+            continue
+        kc[r, pos[r] : pos[r] + t], vc[r, pos[r] : pos[r] + t] = k[r], v[r]
+        for i in range(t):
+            want = _softmax_attend(q[r, i], kc[r], vc[r], np.arange(m) <= pos[r] + i)
+            np.testing.assert_allclose(np.asarray(out[r, i]), want, rtol=2e-5, atol=2e-5)

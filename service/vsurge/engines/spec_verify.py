@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..models.attention import _NEG, _allowed, kv_load, kv_store
+from ..models.attention import kv_store, read_dense_rows
 from ..sampling_params import SamplingParams
 from .engine_base import constrain
 from .sampling import SlotSampling, sample
@@ -69,17 +69,18 @@ def plain_sampling(params: SamplingParams) -> bool:
 class DenseVerifyAttention:
     """T new tokens per row against a dense cache K, V [S, M, KVH, D] (T = K+1 in a verify step).
 
-    meta: (positions i32[S], limit i32): row s's new tokens go to positions[s] .. positions[s] + T - 1;
-    ``limit`` bounds every position a live row reads (its last new position + 1). Token t attends to the
-    cache up to its own position: the row's history and the new tokens before it. The cache is read in
-    chunks with an online softmax, like DenseDecodeAttention; writes past the cache's end are dropped.
+    meta: (positions i32[S], lengths): row s's new tokens go to positions[s] .. positions[s] + T - 1;
+    ``lengths`` i32[S] is how much of each row the step reads (its last new position + 1; 0 for an idle
+    row, not read at all), or an i32 scalar bounding every row. Token t attends to the cache up to its own
+    position: the row's history and the new tokens before it. The cache is read like DenseDecodeAttention
+    reads it (`read_dense_rows`); writes past the cache's end are dropped.
     """
 
     window: int | None = None
     chunk: int = 128
 
     def __call__(self, q, k, v, cache, meta):
-        positions, limit = meta
+        positions, lengths = meta
         kc, vc = cache
         s, t, h, d = q.shape
         kvh = k.shape[2]
@@ -88,38 +89,16 @@ class DenseVerifyAttention:
         rows = jnp.arange(s)[:, None]
         kc = kc.at[rows, pos].set(kv_store(k, kc.dtype), mode="drop")
         vc = vc.at[rows, pos].set(kv_store(v, vc.dtype), mode="drop")
-        n = kc.shape[1]
-        c = min(self.chunk, n)
+        need = lengths if jnp.ndim(lengths) else jnp.minimum(positions + t, lengths)
         qg = q.reshape(s, t, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
-
-        def chunk(i, carry):
-            m, denom, acc = carry
-            start = jnp.minimum(i * c, n - c)
-            ks = kv_load(jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1))
-            vs = kv_load(jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1))
-            k_pos = start + jnp.arange(c)[None, None, :]
-            ok = _allowed(pos[:, :, None], k_pos, self.window) & (k_pos >= i * c)  # [S, T, C]
-            scores = jnp.einsum("stkgd,snkd->stkgn", qg, ks)
-            scores = jnp.where(ok[:, :, None, None, :], scores, _NEG)
-            m_new = jnp.maximum(m, scores.max(-1))
-            p = jnp.where(ok[:, :, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
-            scale = jnp.exp(m - m_new)
-            acc = acc * scale[..., None] + jnp.einsum("stkgn,snkd->stkgd", p, vs)
-            return m_new, denom * scale + p.sum(-1), acc
-
-        n_chunks = jnp.clip((limit + c - 1) // c, 1, -(-n // c))
-        init = (
-            jnp.full((s, t, kvh, g), _NEG, jnp.float32),
-            jnp.zeros((s, t, kvh, g), jnp.float32),
-            jnp.zeros((s, t, kvh, g, d), jnp.float32),
+        out = read_dense_rows(
+            qg, kc, vc, pos, jnp.minimum(need, kc.shape[1]), window=self.window, chunk=self.chunk
         )
-        _, denom, acc = jax.lax.fori_loop(0, n_chunks, chunk, init)
-        out = acc / jnp.maximum(denom, 1e-30)[..., None]
         return out.reshape(s, t, h, d).astype(q.dtype), (kc, vc)
 
 
 def _verify_step_impl(
-    graphdef, params, state, draft, num_draft, limit, *, rows: int, num_top: int, shardings
+    graphdef, params, state, draft, num_draft, lengths, *, rows: int, num_top: int, shardings
 ):
     """One verify step over the first `rows` slots: forward K+1 tokens, verify, advance the state."""
     model = nnx.merge(graphdef, params)
@@ -128,7 +107,7 @@ def _verify_step_impl(
     pos = state.positions[:rows]
     tokens_in = jnp.concatenate([state.tokens[:rows, None], draft], axis=1)  # [rows, K+1]
     positions = pos[:, None] + jnp.arange(k + 1)[None, :]
-    hidden, caches = model(tokens_in, positions, backend, state.caches, (pos, limit))
+    hidden, caches = model(tokens_in, positions, backend, state.caches, (pos, lengths))
     logits = model.compute_logits(hidden.reshape(rows * (k + 1), -1)).reshape(rows, k + 1, -1)
     sampling = SlotSampling(*(a[:rows] for a in state.sampling))
     steps = state.steps[:rows]
@@ -198,7 +177,7 @@ class SpeculativeVerifier:
                     state,
                     np.zeros((r, self.k), np.int32),
                     np.zeros(r, np.int32),
-                    np.int32(1),
+                    np.ones(r, np.int32),
                 ),
             )
             for r, fn in self._fns.items()
@@ -217,12 +196,12 @@ class SpeculativeVerifier:
 
         for r, fn in self._fns.items():
             draft, num = np.zeros((r, self.k), np.int32), np.zeros(r, np.int32)
-            state, _ = timed(fn, r, state, draft, num, np.int32(1))  # the first run pays for loading
+            state, _ = timed(fn, r, state, draft, num, np.ones(r, np.int32))  # the first run pays for loading
             t_verify, t_decode = [], []
             for _ in range(repeats):
-                state, t = timed(fn, r, state, draft, num, np.int32(1))
+                state, t = timed(fn, r, state, draft, num, np.ones(r, np.int32))
                 t_verify.append(t)
-                state, t = timed(eng._decode[r], r, state, np.int32(1))
+                state, t = timed(eng._decode[r], r, state, np.ones(r, np.int32))
                 t_decode.append(t)
             self.cost_ratio[r] = max(1.0, min(t_verify) / max(min(t_decode), 1e-9))
         return state
@@ -231,14 +210,16 @@ class SpeculativeVerifier:
         """draft i32[S, K] and num_draft i32[S] for every slot (idle slots: 0). Blocks until the accepted
         counts are known (the engine's host mirror of each slot's length needs them)."""
         eng = self.engine
-        live = np.flatnonzero(eng._active)
         rows = eng.decode_bucket()
         # the row's new position (+ accepted + 1) must stay inside the context
         room = np.maximum(eng.max_length - 2 - eng._pos[:rows], 0)
         num = np.minimum(np.asarray(num_draft[:rows], np.int32), room).astype(np.int32)
-        limit = np.int32(eng._pos[live].max() + self.k + 1 if live.size else 1)
         state, res = self._fns[rows](
-            eng.step_params(rows), state, np.asarray(draft[:rows], np.int32), num, limit
+            eng.step_params(rows),
+            state,
+            np.asarray(draft[:rows], np.int32),
+            num,
+            eng.read_lengths(rows, self.k + 1),
         )
         eng._pos[:rows] += np.where(eng._active[:rows], np.asarray(res.num_accepted) + 1, 0)
         return state, res

@@ -167,22 +167,24 @@ def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_tok
 
 
 def _decode_impl(
-    graphdef, params, state: GenerationState, limit, *, rows: int, logits_sharding, num_top, shardings
+    graphdef, params, state: GenerationState, lengths, *, rows: int, logits_sharding, num_top, shardings
 ):
-    """One step over the first `rows` slots (slots are handed out lowest first): the model, reading the
-    first `limit` cache positions (the longest live sequence + 1; idle slots keep stale positions), then
-    the sampler. One program, so the logits never leave it (~7% of a 32-row step when they did)."""
-    state, logits = _forward_impl(graphdef, params, state, limit, rows=rows, logits_sharding=logits_sharding)
+    """One step over the first `rows` slots (slots are handed out lowest first): the model, reading
+    `lengths[s]` cache positions of row s (its sequence + 1; 0 for an idle slot), then the sampler. One
+    program, so the logits never leave it (~7% of a 32-row step when they did)."""
+    state, logits = _forward_impl(
+        graphdef, params, state, lengths, rows=rows, logits_sharding=logits_sharding
+    )
     return sample_step(state, logits, rows=rows, num_top=num_top, shardings=shardings)
 
 
-def _forward_impl(graphdef, params, state: GenerationState, limit, *, rows: int, logits_sharding):
+def _forward_impl(graphdef, params, state: GenerationState, lengths, *, rows: int, logits_sharding):
     """The model half of a decode step: (state with the new KV, logits f32[rows, V]). Structured output
     runs it apart from the sampler, so the host fills the token mask while the device runs the model."""
     model = nnx.merge(graphdef, params)
     backend = DenseDecodeAttention(window=model.config.sliding_window)
     pos = state.positions[:rows]
-    hidden, caches = model(state.tokens[:rows, None], pos[:, None], backend, state.caches, (pos, limit))
+    hidden, caches = model(state.tokens[:rows, None], pos[:, None], backend, state.caches, (pos, lengths))
     logits = model.compute_logits(hidden[:, 0])
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
@@ -496,13 +498,17 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         need_rows = int(live[-1]) + 1 if live.size else 1
         return next((r for r in self.decode_rows if r >= need_rows), self.max_concurrent_decodes)
 
+    def read_lengths(self, rows: int, ahead: int = 1) -> np.ndarray:
+        """i32[rows]: how many cache positions each of the first `rows` slots reads in the next step (its
+        length + `ahead` new tokens; 0 for a free slot, which the step then does not read)."""
+        return np.where(self._active[:rows], self._pos[:rows] + ahead, 0).astype(np.int32)
+
     def decode(self, decode_state: GenerationState) -> tuple[GenerationState, SampleResult]:
         """One token for every live slot. Runs the smallest compiled row bucket that covers the highest
         live slot, reading the cache up to the longest live sequence; results have one row per decoded slot."""
         live = np.flatnonzero(self._active)
-        limit = np.int32(self._pos[live].max() + 1 if live.size else 1)
         rows = self.decode_bucket()
-        state, out = self._decode[rows](self._step_params[rows], decode_state, limit)
+        state, out = self._decode[rows](self._step_params[rows], decode_state, self.read_lengths(rows))
         self._pos[live] += 1
         return state, out
 
@@ -520,9 +526,8 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         """The first half of a structured step: dispatch the model over the live rows, as `decode` would,
         and return the logits (rows of the bucket) for `decode_sample`."""
         live = np.flatnonzero(self._active)
-        limit = np.int32(self._pos[live].max() + 1 if live.size else 1)
         rows = self.decode_bucket()
-        state, logits = self._forward[rows](self._step_params[rows], decode_state, limit)
+        state, logits = self._forward[rows](self._step_params[rows], decode_state, self.read_lengths(rows))
         self._pos[live] += 1
         return state, logits
 
@@ -564,7 +569,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             for n in self.prefill_lengths
         ]
         jobs += [
-            (f"decode slots={r}", fn, (self.step_params(r), state, np.int32(1)))
+            (f"decode slots={r}", fn, (self.step_params(r), state, np.ones(r, np.int32)))
             for r, fn in self._decode.items()
         ]
         jobs += self.chunked.jobs()
@@ -586,7 +591,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self.warm_chunked()
         state, first = self.insert(self.prefill_chunked([1] * self.max_prompt_length, greedy[0])[0], state, 0)
         for r, fn in self._decode.items():
-            state, out = fn(self.step_params(r), state, np.int32(1))
+            state, out = fn(self.step_params(r), state, np.ones(r, np.int32))
         jax.block_until_ready(out)
         if self.speculator is not None:
             state = self.speculator.warm(state)
@@ -614,7 +619,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             mask_spec = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
             words = -(-v // 32)
             jobs = [
-                (f"forward slots={r}", fn, (self.step_params(r), state, np.int32(1)))
+                (f"forward slots={r}", fn, (self.step_params(r), state, np.ones(r, np.int32)))
                 for r, fn in self._forward.items()
             ]
             jobs += [
@@ -634,7 +639,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             # signatures (tracing and lowering happen here, never on the step thread)
             dummy, pre = jax.tree.map(_zeros_of, (state, prefix))
             for r in self._forward:
-                dummy, logits = self._forward[r](self.step_params(r), dummy, np.int32(1))
+                dummy, logits = self._forward[r](self.step_params(r), dummy, np.ones(r, np.int32))
                 dummy, out = self._sample_masked[r](dummy, logits, np.full((r, words), -1, np.int32))
             ones = np.full((1, words), -1, np.int32)
             first = self._first(

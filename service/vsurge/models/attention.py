@@ -104,20 +104,100 @@ class ChunkAttention:
         return out.reshape(1, t, h, d).astype(q.dtype), (kc, vc)
 
 
+# Rows a dense step reads together: sorted by how much of the cache each needs, each group of this many
+# stops after its own longest row, so short and idle rows cost little (measured, a 32-row decode step of
+# the 135M model with 19 live rows of contexts 50-700: 187 -> 127 ms; groups of 4: about the same)
+READ_GROUP = 8
+
+
+def read_dense_rows(qg, kc, vc, q_pos, lengths, *, window: int | None, chunk: int, size: int | None = None):
+    """Attention of T queries per row against the first ``lengths[s]`` positions of row s's cache.
+
+    qg f32[S, T, KVH, G, D] (already scaled), kc/vc [S', M, KVH, D] (S' >= S: the step covers the first S
+    slots), q_pos i32[S, T] (a query sees cache positions <= its own), lengths i32[S] (0: an idle row,
+    read not at all; its output is 0); ``size`` (static) caps the positions read. The cache is read in chunks with an online softmax, each loop's
+    trip count computed on the device. With more than READ_GROUP rows, the rows are sorted by length and,
+    when that skips enough, read in groups of READ_GROUP, each loop stopping after its group's longest
+    row. Returns f32[S, T, KVH,
+    G, D]."""
+    s, t, kvh, g, d = qg.shape
+    n = kc.shape[1] if size is None else min(size, kc.shape[1])
+    c = min(chunk, n)
+    most = -(-n // c)
+
+    def read(qj, pj, rows, need):
+        # rows: None (the first S slots, sliced) or i32[R] slot indices (gathered)
+        r = qj.shape[0]
+
+        def body(i, carry):
+            m, denom, acc = carry
+            # the last chunk is shifted back to fit in n; positions an earlier chunk covered are masked
+            start = jnp.minimum(i * c, n - c)
+            if rows is None:
+                ks = kv_load(jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1))
+                vs = kv_load(jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1))
+            else:
+                cols = start + jnp.arange(c)
+                ks = kv_load(kc[rows[:, None], cols[None, :]])
+                vs = kv_load(vc[rows[:, None], cols[None, :]])
+            k_pos = start + jnp.arange(c)[None, None, :]
+            ok = _allowed(pj[:, :, None], k_pos, window) & (k_pos >= i * c) & (k_pos < need[:, None, None])
+            if t == 1:  # decode: XLA:CPU runs these 4-d contractions ~20% faster than with a unit T axis
+                scores = jnp.einsum("skgd,snkd->skgn", qj[:, 0], ks)[:, None]
+            else:
+                scores = jnp.einsum("stkgd,snkd->stkgn", qj, ks)
+            scores = jnp.where(ok[:, :, None, None, :], scores, _NEG)
+            m_new = jnp.maximum(m, scores.max(-1))
+            p = jnp.where(ok[:, :, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
+            scale = jnp.exp(m - m_new)
+            if t == 1:
+                pv = jnp.einsum("skgn,snkd->skgd", p[:, 0], vs)[:, None]
+            else:
+                pv = jnp.einsum("stkgn,snkd->stkgd", p, vs)
+            acc = acc * scale[..., None] + pv
+            return m_new, denom * scale + p.sum(-1), acc
+
+        trips = jnp.clip((jnp.max(need) + c - 1) // c, 0, most)
+        init = (
+            jnp.full((r, t, kvh, g), _NEG, jnp.float32),
+            jnp.zeros((r, t, kvh, g), jnp.float32),
+            jnp.zeros((r, t, kvh, g, d), jnp.float32),
+        )
+        _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
+        return acc / jnp.maximum(denom, 1e-30)[..., None]
+
+    if s <= READ_GROUP:
+        return read(qg, q_pos, None, lengths)
+    order = jnp.argsort(lengths)
+
+    def grouped(_):
+        out = jnp.zeros(qg.shape, jnp.float32)
+        for j in range(0, s, READ_GROUP):
+            rows = order[j : j + READ_GROUP]
+            out = out.at[rows].set(read(qg[rows], q_pos[rows], rows, lengths[rows]))
+        return out
+
+    # groups cost ~10% more per position read than one pass over every row (gathers, shorter loops):
+    # they run only when they skip more than that
+    starts = range(0, s, READ_GROUP)
+    group_max = lengths[order[jnp.asarray([min(j + READ_GROUP, s) - 1 for j in starts])]]
+    pays = 10 * jnp.sum(group_max) < 9 * len(starts) * jnp.max(lengths)
+    return jax.lax.cond(pays, grouped, lambda _: read(qg, q_pos, None, lengths), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseDecodeAttention:
     """One new token per slot against a dense cache K, V [S, M, KVH, D].
 
-    meta: positions [S] — where each slot's new token goes (its current length) — or (positions, limit)
-    where the i32 scalar ``limit`` bounds the positions any live row needs (idle rows keep stale positions).
+    meta: positions [S] — where each slot's new token goes (its current length) — or (positions, lengths)
+    where ``lengths`` i32[S] is how much of each row the step reads (its position + 1; 0 for an idle slot,
+    which is then not read at all), or an i32 scalar bounding every row (idle rows keep stale positions).
     The new K/V are written in place (the caller donates the cache), then the slot attends to positions
-    <= its own.
-
-    The cache is read in chunks of ``chunk`` positions with an online softmax, and the loop stops after the
-    chunk holding the longest live sequence: the trip count is computed on the device, so one compiled
-    program serves every length and a step reads only what the longest row needs. Chunks keep each
-    step's working set in cache; on XLA:CPU this is ~5x faster than one softmax over the whole row.
-    ``kv_len`` (static) caps the positions read, for callers that know rows never grow past it.
+    <= its own, read by `read_dense_rows`: in chunks with an online softmax, sorted rows in groups that
+    each stop after their longest row, so one compiled program serves every length and a step reads
+    about what its rows need. Chunks keep each step's working set in cache; on XLA:CPU this is ~5x faster
+    than one softmax over the whole row. ``kv_len`` (static) caps the positions read, for callers that
+    know rows never grow past it.
     """
 
     window: int | None = None
@@ -125,7 +205,7 @@ class DenseDecodeAttention:
     chunk: int = 128
 
     def __call__(self, q, k, v, cache, meta):
-        positions, limit = meta if isinstance(meta, tuple) else (meta, jnp.max(meta) + 1)
+        positions, lengths = meta if isinstance(meta, tuple) else (meta, None)
         kc, vc = cache
         s, _, h, d = q.shape  # s may be fewer than the cache's slots: the engine decodes the first s only
         kvh = k.shape[2]
@@ -134,32 +214,12 @@ class DenseDecodeAttention:
         kc = kc.at[rows, positions].set(kv_store(k[:, 0], kc.dtype))
         vc = vc.at[rows, positions].set(kv_store(v[:, 0], vc.dtype))
         n = kc.shape[1] if self.kv_len is None else min(self.kv_len, kc.shape[1])
-        c = min(self.chunk, n)
-        qg = q[:, 0].reshape(s, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
-        pos = positions[:, None]
-
-        def chunk(i, carry):
-            m, denom, acc = carry
-            # the last chunk is shifted back to fit in n; positions an earlier chunk covered are masked
-            start = jnp.minimum(i * c, n - c)
-            ks = kv_load(jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1))
-            vs = kv_load(jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1))
-            k_pos = start + jnp.arange(c)[None, :]
-            ok = _allowed(pos, k_pos, self.window) & (k_pos >= i * c)  # [S, C]
-            scores = jnp.einsum("skgd,snkd->skgn", qg, ks)
-            scores = jnp.where(ok[:, None, None, :], scores, _NEG)
-            m_new = jnp.maximum(m, scores.max(-1))
-            p = jnp.where(ok[:, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
-            scale = jnp.exp(m - m_new)
-            acc = acc * scale[..., None] + jnp.einsum("skgn,snkd->skgd", p, vs)
-            return m_new, denom * scale + p.sum(-1), acc
-
-        n_chunks = jnp.clip((limit + c - 1) // c, 1, -(-n // c))
-        init = (
-            jnp.full((s, kvh, g), _NEG, jnp.float32),
-            jnp.zeros((s, kvh, g), jnp.float32),
-            jnp.zeros((s, kvh, g, d), jnp.float32),
+        need = positions + 1
+        if lengths is not None:
+            need = lengths if jnp.ndim(lengths) else jnp.minimum(need, lengths)
+        need = jnp.minimum(need, n)
+        qg = q[:, 0].reshape(s, 1, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+        out = read_dense_rows(
+            qg, kc, vc, positions[:, None], need, window=self.window, chunk=self.chunk, size=n
         )
-        _, denom, acc = jax.lax.fori_loop(0, n_chunks, chunk, init)
-        out = acc / jnp.maximum(denom, 1e-30)[..., None]
         return out.reshape(s, 1, h, d).astype(q.dtype), (kc, vc)
