@@ -20,6 +20,8 @@ and holds the KV (vDriver: dense slots; oDriver: pages through a PageScheduler).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -45,6 +47,35 @@ class Owner(Protocol):
 
     @property
     def cached_tokens(self) -> int: ...
+
+
+# The prefill queue's order: arrival time plus this many seconds per prompt token (at most
+# PREFILL_MAX_DEFER_SECONDS), so shorter prompts go first among those that arrived about together, and a
+# longer one is overtaken only by prompts that arrived less than that after it: never starved. Measured
+# under mixed-32 through HTTP (every bf16 knob + ngram): FIFO TTFT p50 2.00 s; 0.002 s/token 1.82 s;
+# 0.01 s/token 1.55 s, TTFT p99 7.7 -> 8.0 s, throughput unchanged.
+PREFILL_SECONDS_PER_TOKEN = 0.01
+PREFILL_MAX_DEFER_SECONDS = 4.0
+
+
+class PrefillQueue(queue.Queue):
+    """A bounded queue of requests, taken shortest-prompt-first with ageing (PREFILL_SECONDS_PER_TOKEN,
+    PREFILL_MAX_DEFER_SECONDS)."""
+
+    def _init(self, maxsize: int) -> None:
+        self.queue: list = []  # type: ignore[assignment]  # a heap of (key, arrival order, request)
+        self._order = itertools.count()
+
+    def _qsize(self) -> int:
+        return len(self.queue)
+
+    def _put(self, req: Any) -> None:
+        defer = min(PREFILL_SECONDS_PER_TOKEN * len(req.prompt_ids), PREFILL_MAX_DEFER_SECONDS)
+        key = time.monotonic() + defer
+        heapq.heappush(self.queue, (key, next(self._order), req))
+
+    def _get(self) -> Any:
+        return heapq.heappop(self.queue)[2]
 
 
 class Lane:
@@ -102,7 +133,7 @@ class Pipeline:
     """Queues, threads and request lifecycle shared by vDriver and oDriver (see the module docstring)."""
 
     def __init__(self, max_queue_size: int, detokenizing_blocks: int):
-        self.prefill_q: queue.Queue = queue.Queue(max_queue_size)
+        self.prefill_q: queue.Queue = PrefillQueue(max_queue_size)
         self.detokenizing_blocks = detokenizing_blocks
         self.metrics = MetricsRecorder()
         self.live = False
