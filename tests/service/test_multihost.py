@@ -348,12 +348,13 @@ def test_the_step_lane_replays_every_call_on_a_second_engine(checkpoint, monkeyp
             rows[slot].append(int(t))
     assert rows == reference and not exits
     # the worker ran the same calls: its decode state holds the same next tokens as the leader's
-    deadline = time.monotonic() + 30
-    while worker._calls < lane._calls and time.monotonic() < deadline:
-        time.sleep(0.05)
     n = lane._calls - 1  # the last decode: its result leaves are handles (n, i) on the worker
     leader_leaves = jax.tree_util.tree_leaves((state, out))
     tokens_index = next(i for i, x in enumerate(leader_leaves) if x is state.tokens)
+    # the worker counts a call when it starts it and holds its results once it has run it
+    deadline = time.monotonic() + 30
+    while (n, tokens_index) not in worker.handles and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert np.array_equal(np.asarray(worker.handles[(n, tokens_index)]), np.asarray(state.tokens))
     assert proxy.check_prompt([1, 2, 3]) == 3 and lane._calls == n + 1  # host-only: not sent
 
