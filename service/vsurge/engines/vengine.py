@@ -43,8 +43,8 @@ from .sampling import (
 )
 from .spec_verify import SpeculativeVerifier, VerifyStep
 
-# decode_dtype=bfloat16 runs the steps of this many rows or more on the bfloat16 weights: XLA:CPU's bfloat16 matmuls run
-# ~3x faster than float32 from 8 rows up, but its matrix-vector path is ~4x slower (measured at 1 row)
+# decode_dtype=bfloat16 runs the steps of this many rows or more on the bfloat16 kernels: XLA:CPU's bfloat16
+# matmuls run ~3x faster than float32 from 8 rows up, its matrix-vector path ~4x slower (measured at 1 row)
 BF16_DECODE_MIN_ROWS = 8
 
 log = logging.getLogger(__name__)
@@ -505,7 +505,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
 
     def decode(self, decode_state: GenerationState) -> tuple[GenerationState, SampleResult]:
         """One token for every live slot. Runs the smallest compiled row bucket that covers the highest
-        live slot, reading the cache up to the longest live sequence; results have one row per decoded slot."""
+        live slot, each row reading its own length of the cache; results have one row per decoded slot."""
         live = np.flatnonzero(self._active)
         rows = self.decode_bucket()
         state, out = self._decode[rows](self._step_params[rows], decode_state, self.read_lengths(rows))
