@@ -39,6 +39,12 @@ SPECULATIVE_METHODS = ("none", "ngram")
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 PREFILL_DTYPES = ("auto", "bfloat16")
 DECODE_DTYPES = ("auto", "bfloat16")
+# spec.engine's vdriver-only dtype fields: their choices and what each changes (the CRD's CEL messages)
+VDRIVER_DTYPES = {
+    "kvCacheDtype": (KV_CACHE_DTYPES, "dense cache"),
+    "prefillDtype": (PREFILL_DTYPES, "packed prefill"),
+    "decodeDtype": (DECODE_DTYPES, "decode step"),
+}
 GPU_TYPE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"  # a label value (<= 63 characters)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 PAGE_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -203,15 +209,10 @@ def _validate_engine(c: _Checker, engine: Mapping[str, Any]) -> None:
     c.integer(engine.get("numSpeculativeTokens"), "spec.engine.numSpeculativeTokens")
     if engine.get("speculative") not in (None, "none") and engine.get("driver") not in (None, "vdriver"):
         c.fail("spec.engine.speculative", "speculative decoding runs on driver vdriver")
-    c.string(engine.get("kvCacheDtype"), "spec.engine.kvCacheDtype", choices=KV_CACHE_DTYPES)
-    if engine.get("kvCacheDtype") not in (None, "auto") and engine.get("driver") not in (None, "vdriver"):
-        c.fail("spec.engine.kvCacheDtype", "kvCacheDtype applies to driver vdriver's dense cache")
-    c.string(engine.get("prefillDtype"), "spec.engine.prefillDtype", choices=PREFILL_DTYPES)
-    if engine.get("prefillDtype") not in (None, "auto") and engine.get("driver") not in (None, "vdriver"):
-        c.fail("spec.engine.prefillDtype", "prefillDtype applies to driver vdriver's packed prefill")
-    c.string(engine.get("decodeDtype"), "spec.engine.decodeDtype", choices=DECODE_DTYPES)
-    if engine.get("decodeDtype") not in (None, "auto") and engine.get("driver") not in (None, "vdriver"):
-        c.fail("spec.engine.decodeDtype", "decodeDtype applies to driver vdriver's decode step")
+    for name, (choices, what) in VDRIVER_DTYPES.items():
+        c.string(engine.get(name), f"spec.engine.{name}", choices=choices)
+        if engine.get(name) not in (None, "auto") and engine.get("driver") not in (None, "vdriver"):
+            c.fail(f"spec.engine.{name}", f"{name} applies to driver vdriver's {what}")
     c.string(engine.get("mesh"), "spec.engine.mesh", MESH_PATTERN)
     if isinstance(engine.get("mesh"), str) and len(engine["mesh"]) > MESH_MAX_LENGTH:
         c.fail("spec.engine.mesh", f"must be at most {MESH_MAX_LENGTH} characters")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,16 +157,27 @@ def knob(
     return field(default=default, metadata=meta)
 
 
+def choice_knob(default: str, help: str, choices: Sequence[str]) -> Any:  # noqa: A002 - argparse's word
+    """A ``vsurge serve`` knob that takes one of ``choices``."""
+    return knob(default, help, check=_one_of(*choices), serve=True, text=parse_choice(*choices))
+
+
+# vdriver-only knobs: what each one changes, for the error when another driver is asked for
+VDRIVER_ONLY = {
+    "kv_cache_dtype": "dense cache, not {driver}'s pages",
+    "prefill_dtype": "packed prefill, not {driver}'s",
+    "decode_dtype": "decode step, not {driver}'s",
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How an engine and its driver are built. Frozen: derive variants with ``replace(**changes)``."""
 
-    driver: str = knob(
+    driver: str = choice_knob(
         "vdriver",
         "vdriver (one KV row per slot) or odriver (paged KV cache)",
-        check=_one_of(*DRIVERS),
-        serve=True,
-        text=parse_choice(*DRIVERS),
+        DRIVERS,
     )
     max_concurrent_decodes: int = knob(
         16,
@@ -262,13 +273,11 @@ class EngineConfig:
         128, "odriver: the smallest cache length a decode step reads", check=at_least(1)
     )
     enable_prefix_caching: bool = knob(True, "odriver: share the KV pages of common prompt prefixes")
-    attention: str = knob(
+    attention: str = choice_knob(
         "auto",
         "odriver's paged attention: pallas (the Pallas TPU ragged kernel in shard_map; interpreted off "
         "TPU), jax (pure JAX), auto (pallas on TPU when the kernel takes the model's shapes, else jax)",
-        check=_one_of(*ATTENTION_BACKENDS),
-        serve=True,
-        text=parse_choice(*ATTENTION_BACKENDS),
+        ATTENTION_BACKENDS,
     )
     max_queue_size: int = knob(
         1024, "requests waiting for prefill before QueueFullError (0: no limit)", check=at_least(0)
@@ -282,13 +291,11 @@ class EngineConfig:
         metavar="N",
         shown="256, or 2 x max_concurrent_decodes if more",
     )
-    speculative: str = knob(
+    speculative: str = choice_knob(
         "none",
         "speculative decoding: none, or ngram (prompt lookup: drafts copied from earlier in the prompt and "
         "output, verified in one batched step; greedy output unchanged; vdriver)",
-        check=_one_of(*SPECULATIVE_METHODS),
-        serve=True,
-        text=parse_choice(*SPECULATIVE_METHODS),
+        SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = knob(
         4,
@@ -298,30 +305,24 @@ class EngineConfig:
         text=parse_int,
         metavar="K",
     )
-    kv_cache_dtype: str = knob(
+    kv_cache_dtype: str = choice_knob(
         "auto",
         "KV cache dtype: auto (the model's) or bfloat16 (half the bytes a decode step reads; stored as bits "
         "and widened to float32 for attention; vdriver)",
-        check=_one_of(*KV_CACHE_DTYPES),
-        serve=True,
-        text=parse_choice(*KV_CACHE_DTYPES),
+        KV_CACHE_DTYPES,
     )
-    prefill_dtype: str = knob(
+    prefill_dtype: str = choice_knob(
         "auto",
         "prefill's matmul dtype: auto (the model's) or bfloat16 (a bfloat16 copy of float32 kernels for "
         "prompt processing, float32 activations and accumulation: XLA:CPU's bf16 matmuls are ~1.7x faster; "
         "vdriver)",
-        check=_one_of(*PREFILL_DTYPES),
-        serve=True,
-        text=parse_choice(*PREFILL_DTYPES),
+        PREFILL_DTYPES,
     )
-    decode_dtype: str = knob(
+    decode_dtype: str = choice_knob(
         "auto",
         "decode's matmul dtype: auto (the model's) or bfloat16 (a bfloat16 copy of float32 matmul kernels "
         "for decode steps of 8 rows or more, float32 activations and accumulation; vdriver)",
-        check=_one_of(*DECODE_DTYPES),
-        serve=True,
-        text=parse_choice(*DECODE_DTYPES),
+        DECODE_DTYPES,
     )
     interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
     max_decode_stall: float = knob(
@@ -329,13 +330,11 @@ class EngineConfig:
         "vdriver: seconds decode may wait for prompts being prefilled into free slots (0: never)",
         check=_non_negative,
     )
-    quantization: str = knob(
+    quantization: str = choice_knob(
         "none",
         "weights: none (the dtype's) or int8 (weight-only, per output channel, quantized at load; "
         "GGUF Q8_0 kept as stored)",
-        check=_one_of(*QUANTIZATIONS),
-        serve=True,
-        text=parse_choice(*QUANTIZATIONS),
+        QUANTIZATIONS,
     )
     detokenizing_blocks: int = knob(8, "decode steps that may run ahead of detokenization", check=at_least(1))
 
@@ -356,18 +355,10 @@ class EngineConfig:
             raise ValueError(
                 f"speculative: {self.speculative} decoding runs on driver vdriver, not {self.driver}"
             )
-        if self.kv_cache_dtype != "auto" and self.driver != "vdriver":
-            raise ValueError(
-                f"kv_cache_dtype: {self.kv_cache_dtype} is vdriver's dense cache, not {self.driver}'s pages"
-            )
-        if self.prefill_dtype != "auto" and self.driver != "vdriver":
-            raise ValueError(
-                f"prefill_dtype: {self.prefill_dtype} is vdriver's packed prefill, not {self.driver}'s"
-            )
-        if self.decode_dtype != "auto" and self.driver != "vdriver":
-            raise ValueError(
-                f"decode_dtype: {self.decode_dtype} is vdriver's decode step, not {self.driver}'s"
-            )
+        for name, what in VDRIVER_ONLY.items():
+            value = getattr(self, name)
+            if value != "auto" and self.driver != "vdriver":
+                raise ValueError(f"{name}: {value} is vdriver's {what.format(driver=self.driver)}")
         mpl, ml = self.max_prefill_length, self.max_length
         if mpl is not None and ml is not None and mpl > ml:
             raise ValueError(f"max_prefill_length {mpl} exceeds max_length {ml}")

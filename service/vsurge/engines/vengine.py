@@ -256,11 +256,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self._zeros = None
         self.chunked = self._make_chunked(self.prefill_params)
         self._long_prefix = jax.jit(
-            partial(
-                _long_prefix_impl,
-                entries=self.max_concurrent_prefill,
-                vocab=self.config.vocab_size,
-            )
+            partial(_long_prefix_impl, entries=self.max_concurrent_prefill, vocab=self.config.vocab_size)
         )
         # n-gram speculative decoding: the verify step per row bucket (spec_verify.py)
         self.speculator = (

@@ -113,13 +113,12 @@ READ_GROUP = 8
 def read_dense_rows(qg, kc, vc, q_pos, lengths, *, window: int | None, chunk: int, size: int | None = None):
     """Attention of T queries per row against the first ``lengths[s]`` positions of row s's cache.
 
-    qg f32[S, T, KVH, G, D] (already scaled), kc/vc [S', M, KVH, D] (S' >= S: the step covers the first S
-    slots), q_pos i32[S, T] (a query sees cache positions <= its own), lengths i32[S] (0: an idle row,
-    read not at all; its output is 0); ``size`` (static) caps the positions read. The cache is read in chunks with an online softmax, each loop's
-    trip count computed on the device. With more than READ_GROUP rows, the rows are sorted by length and,
-    when that skips enough, read in groups of READ_GROUP, each loop stopping after its group's longest
-    row. Returns f32[S, T, KVH,
-    G, D]."""
+    qg f32[S, T, KVH, G, D] (already scaled); kc/vc [S', M, KVH, D] (S' >= S: the step covers the first S
+    slots); q_pos i32[S, T] (a query sees cache positions <= its own); lengths i32[S] (0: an idle row, read
+    not at all, its output 0); ``size`` (static) caps the positions read. The cache is read in chunks with
+    an online softmax, each loop's trip count computed on the device. With more than READ_GROUP rows, the
+    rows are sorted by length and, when that skips enough, read in groups of READ_GROUP, each loop stopping
+    after its group's longest row. Returns f32[S, T, KVH, G, D]."""
     s, t, kvh, g, d = qg.shape
     n = kc.shape[1] if size is None else min(size, kc.shape[1])
     c = min(chunk, n)
