@@ -164,6 +164,7 @@ def test_sigterm_drains_without_losing_requests(tiny_dir):
     reader = threading.Thread(target=lambda: log.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
     url = f"http://127.0.0.1:{port}"
+    client = None
     try:
         statuses = []
 
@@ -182,12 +183,13 @@ def test_sigterm_drains_without_losing_requests(tiny_dir):
         results: list = [None] * n
         streaming = threading.Semaphore(0)
 
+        # One client with a connection per request: sixteen clients each building an SSL context under
+        # a loaded suite took long enough for the first requests to finish before the last ones arrived.
+        client = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=n + 2))
+
         def one(i: int) -> None:
             finish, first = None, True
-            with (
-                httpx.Client(timeout=120) as c,
-                c.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "stream": True}) as r,
-            ):
+            with client.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "stream": True}) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         if first:
@@ -203,8 +205,15 @@ def test_sigterm_drains_without_losing_requests(tiny_dir):
             t.start()
         for _ in range(SLOTS):  # every slot is generating
             assert streaming.acquire(timeout=120)
-        # and every request has reached the server (the rest wait in the engine's queue)
-        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).json()["in_flight"] == n, timeout=90)
+
+        # and every request has reached the server (the rest wait in the engine's queue). A request that
+        # already finished counts as arrived: in_flight alone can never reach n once one has. in_flight is
+        # read first, so a request that finishes between the two reads is counted, not lost.
+        def arrived() -> int:
+            flying = httpx.get(f"{url}/health", timeout=5).json()["in_flight"]
+            return flying + sum(r is not None for r in results)
+
+        wait_for(lambda: arrived() >= n, timeout=90)
         proc.send_signal(signal.SIGTERM)
         # draining: readiness is 503 and new work is refused while the streams are still running
         wait_for(lambda: httpx.get(f"{url}/readiness", timeout=5).status_code == 503, timeout=10)
@@ -218,6 +227,8 @@ def test_sigterm_drains_without_losing_requests(tiny_dir):
         assert results == [(200, "length")] * n
         assert proc.wait(timeout=60) == 0
     finally:
+        if client is not None:
+            client.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
