@@ -313,6 +313,56 @@ def test_stop_ends_requests_still_waiting_for_a_slot(tiny):
     assert all(r.done for r in reqs)
 
 
+def test_first_token_streams_before_a_slot_is_free(tiny):
+    """With every slot busy, a prefilled request's first token reaches the client at once (it does not
+    wait for a slot); the insert reuses that token, and a request its first token finishes takes no slot."""
+    model, tok = tiny
+    s = vSurge.create_vdriver(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=MAX_LEN)
+    s.start()
+    try:
+        busy = [s.submit(ids_request([1, 2, i], MAX_LEN - 8)) for i in (3, 4)]
+        for r in busy:
+            next(iter(r.channel))  # both slots are decoding
+        prompt = [7, 8, 9, 10]
+        waits = s.submit(ids_request(prompt, 6))
+        one_token = s.submit(ids_request(prompt, 1))
+        sampled = s.submit(ids_request(prompt, 1, temperature=1.0, seed=7, n=2))
+        first_at = {}
+
+        def read(name, r):
+            items = []
+            for deltas in r.channel:
+                first_at.setdefault(name, time.time())
+                items += deltas
+            return items
+
+        got = {}
+        readers = [
+            threading.Thread(target=lambda n=n, r=r: got.__setitem__(n, read(n, r)))
+            for n, r in [("waits", waits), ("one", one_token), ("sampled", sampled), ("a", busy[0])]
+        ]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(timeout=60)
+        assert all(r.done for r in [*busy, waits, one_token, sampled])
+        a_done = min(r.metadata.finished_at for r in busy)
+        for name in ("waits", "one", "sampled"):
+            assert first_at[name] < a_done, f"{name}'s first token waited for a slot"
+        assert one_token.metadata.finished_at < a_done and sampled.metadata.finished_at < a_done
+        # the token streamed early is the one the slot continues from: greedy output is exact
+        want = greedy_generate(model, [prompt], 6)[0]
+        assert [t for d in got["waits"] for t in d.token_ids] == want
+        assert [t for d in got["one"] for t in d.token_ids] == want[:1]
+        assert sorted(d.index for d in got["sampled"] if d.token_ids) == [0, 1]
+        deadline = time.time() + 5
+        while s.driver.num_used_slots and time.time() < deadline:
+            time.sleep(0.01)
+        assert s.driver.num_used_slots == 0
+    finally:
+        s.stop()
+
+
 def _engine_greedy(engine, prefix, entries, steps):
     """Insert entries (index, slot) of one prefix and decode greedily; returns each slot's tokens."""
     state = engine.init_decode_state()

@@ -33,6 +33,7 @@ class Prefilled:
     req: ActiveRequest
     prefix: Any
     index: int  # its entry in `prefix`
+    firsts: list[Any] | None = None  # each sample's first token, already streamed (None: sampled at insert)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,11 +49,12 @@ def _as_list(x) -> list:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SlotOwner:
-    """Sample ``index`` of ``req`` in decode slot ``slot`` (its identity is the lease on the slot)."""
+    """Sample ``index`` of ``req`` in decode slot ``slot`` (its identity is the lease on the slot). Slot
+    None: the sample's first token was streamed before it had a slot (`vDriver._stream_firsts`)."""
 
     req: ActiveRequest
     index: int
-    slot: int
+    slot: int | None
     cached_tokens: int = 0  # dense prefill reuses nothing
 
 
@@ -187,7 +188,11 @@ class DenseSlots:
     def _drop_ended(self, loop: StepLoop) -> None:
         """Free the slots the detokenizer saw finish, and every slot of a cancelled request."""
         for owner in drain(self.lane.release):
-            if self.owners[owner.slot] is owner:
+            if owner.slot is None:  # finished on its early first token: free the slot it may have got since
+                for slot, o in enumerate(self.owners):
+                    if o is not None and o.req is owner.req and o.index == owner.index:
+                        self.release(slot)
+            elif self.owners[owner.slot] is owner:
                 self.release(owner.slot)
         cancelled = {}
         for slot, owner in enumerate(self.owners):
@@ -227,14 +232,19 @@ class DenseSlots:
             self._warming.start()
 
     def _insert_waiting(self, state: Any, loop: StepLoop) -> Any:
-        """Insert prefilled requests, oldest first, while all n samples of the next one fit."""
+        """Insert prefilled requests, oldest first, while all n samples of the next one fit. A sample whose
+        early first token already finished it (EOS, a stop string, max_tokens 1) takes no slot."""
         while self.waiting and len(self.free) >= self.waiting[0].req.params.n:
             ready = self.waiting.popleft()
             req = ready.req
             if req.cancelled:
                 loop.send(Abort(req))
                 continue
-            slots = [heapq.heappop(self.free) for _ in range(req.params.n)]
+            early = ready.firsts is not None
+            samples = [i for i in range(req.params.n) if not (early and req.samples[i].done)]
+            if not samples:
+                continue
+            slots = [heapq.heappop(self.free) for _ in samples]
             grammar = getattr(req.params, "grammar", None)
             try:
                 masks = None if grammar is None else [self.grammars.start(s, grammar) for s in slots]
@@ -242,10 +252,11 @@ class DenseSlots:
                     ready.prefix,
                     state,
                     slots,
-                    keys=req.keys,
+                    keys=None if req.keys is None else [req.keys[i] for i in samples],
                     index=ready.index,
                     length=len(req.prompt_ids),
                     token_masks=masks,
+                    firsts=[ready.firsts[i] for i in samples] if early else None,
                 )
             except Exception as e:
                 for s in slots:
@@ -253,7 +264,7 @@ class DenseSlots:
                     heapq.heappush(self.free, s)
                 self.pipeline.fail(req, f"insert failed: {e}")
                 continue
-            for i, (slot, first) in enumerate(zip(slots, firsts, strict=True)):
+            for i, slot, first in zip(samples, slots, firsts, strict=True):
                 owner = SlotOwner(req, i, slot)
                 self.owners[slot] = owner
                 req.samples[i].slot = slot
@@ -261,7 +272,8 @@ class DenseSlots:
                 if self.drafts is not None:
                     first_token = int(np.asarray(first.tokens)[0])
                     self.drafts.start(slot, req.prompt_ids, first_token, req.params, self.engine.max_length)
-                loop.send(FirstToken(owner, first))
+                if not early:
+                    loop.send(FirstToken(owner, first))
         return state
 
 
@@ -489,7 +501,29 @@ class vDriver:  # noqa: N801 - the seed's name
         now = time.time()
         for j, req in enumerate(batch):
             req.metadata.prefill_done_at = now
-            if p.put(dest.lane.backlog, Prefilled(req, prefix, j)):
+            firsts = self._stream_firsts(dest, req, prefix, j)
+            if p.put(dest.lane.backlog, Prefilled(req, prefix, j, firsts)):
                 p.left_pipeline(req)
             else:
                 p.finish(req, "abort")
+
+    def _stream_firsts(self, dest: DenseSlots, req: ActiveRequest, prefix, j: int) -> list | None:
+        """Sample each sample's first token now and send it to the lane's detokenizer, ahead of the insert:
+        the client sees it without waiting for the step in flight (or for a free slot). The insert then
+        reuses these tokens, so the output is what sampling at insert gives. A structured request keeps
+        sampling at insert, under its grammar's first mask; None then (and when it failed here)."""
+        if getattr(req.params, "grammar", None) is not None or req.cancelled:
+            return None
+        try:
+            firsts = [
+                dest.engine.sample_first(prefix, None if req.keys is None else req.keys[i], j)
+                for i in range(req.params.n)
+            ]
+        except Exception as e:  # the insert samples it instead, and reports a failure there
+            log.warning("first token before insert failed, sampling at insert: %s", e)
+            return None
+        for i, first in enumerate(firsts):
+            # sent before the request reaches the backlog, so it precedes every step holding its tokens
+            if not self.pipeline.put(dest.lane.detok, FirstToken(SlotOwner(req, i, None), first)):
+                return None
+        return firsts

@@ -455,15 +455,16 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         index: int = 0,
         length: int | None = None,
         token_mask: np.ndarray | None = None,
+        first: SampleResult | None = None,
     ):
         """Put entry `index` of a prefix into `slot`; returns (state, first token SampleResult[1]).
         key: u32[2] per sample (default: the entry's own); length: the prompt's length when the caller
-        knows it (saves a read from the device); token_mask: i32[1, ceil(V/32)] of a structured request."""
+        knows it (saves a read from the device); token_mask: i32[1, ceil(V/32)] of a structured request;
+        first: what `sample_first` returned for this entry and key (sampled before a slot was free)."""
         j = np.int32(index)
-        # always a host array: a device array here is another jit signature, i.e. a compile on a live request
-        key = np.asarray(prefix.sampling.key[index] if key is None else key, np.uint32)
-        masked = () if token_mask is None else (np.asarray(token_mask, np.int32).reshape(1, -1),)
-        first = self._first(self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, j, key, *masked)
+        key = self._host_key(prefix, key, index)
+        if first is None:
+            first = self.sample_first(prefix, key, index, token_mask)
         state = self._insert(prefix, decode_state, j, np.int32(slot), key, first.tokens[0])
         self._pos[slot] = int(prefix.lengths[index]) if length is None else length
         self._active[slot] = True
@@ -478,15 +479,37 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         index: int = 0,
         length: int | None = None,
         token_masks: Sequence[np.ndarray | None] | None = None,
+        firsts: Sequence[SampleResult] | None = None,
     ):
         """Insert entry `index` of a prefix into several slots (n samples sharing one prefill)."""
-        firsts = []
+        out = []
         for i, slot in enumerate(slots):
             key = None if keys is None else keys[i]
             mask = None if token_masks is None else token_masks[i]
-            decode_state, first = self.insert(prefix, decode_state, slot, key, index, length, mask)
-            firsts.append(first)
-        return decode_state, firsts
+            first = None if firsts is None else firsts[i]
+            decode_state, first = self.insert(prefix, decode_state, slot, key, index, length, mask, first)
+            out.append(first)
+        return decode_state, out
+
+    def sample_first(
+        self,
+        prefix: Prefix,
+        key: np.ndarray | None = None,
+        index: int = 0,
+        token_mask: np.ndarray | None = None,
+    ) -> SampleResult:
+        """The first token of entry `index` (SampleResult[1]), without a slot: the same token `insert`
+        would sample with this key, so a driver can stream it while the request still waits for a slot."""
+        key = self._host_key(prefix, key, index)
+        masked = () if token_mask is None else (np.asarray(token_mask, np.int32).reshape(1, -1),)
+        return self._first(
+            self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, np.int32(index), key, *masked
+        )
+
+    @staticmethod
+    def _host_key(prefix: Prefix, key: np.ndarray | None, index: int) -> np.ndarray:
+        # always a host array: a device array here is another jit signature, i.e. a compile on a live request
+        return np.asarray(prefix.sampling.key[index] if key is None else key, np.uint32)
 
     def decode_bucket(self) -> int:
         """The row bucket the next step runs: the smallest compiled one covering the highest live slot."""
