@@ -398,6 +398,36 @@ def test_packed_prefill_equals_reference(tiny):
         engine.prefill_many([list(range(3, 40)), list(range(3, 40))], [greedy] * 2)  # 74 > 64
 
 
+def test_first_sampled_before_insert_continues_like_insert(tiny):
+    # sample_first then insert(first=) must give the tokens insert alone gives, for sampled requests too:
+    # the same key draws the first token, and the slot's sampler stream goes on from it.
+    from vsurge.engines.vengine import vEngine
+
+    model, tok = tiny
+    engine = vEngine(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=MAX_LEN)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (5, 6)]
+    prefix = engine.prefill_many([[7, 8, 9], [4, 5, 6, 7]], params)
+
+    def run(early: bool, key=None) -> list[list[int]]:
+        state = engine.init_decode_state()
+        out = []
+        for j in (0, 1):
+            first = engine.sample_first(prefix, key, j) if early else None
+            state, got = engine.insert(prefix, state, j, key, j, first=first)
+            out.append([int(np.asarray(got.tokens)[0])])
+        for _ in range(10):
+            state, res = engine.decode(state)
+            for j in (0, 1):
+                out[j].append(int(np.asarray(res.tokens)[j]))
+        for j in (0, 1):
+            engine.free_resource(j)
+        return out
+
+    assert run(True) == run(False)
+    other = np.asarray([0, 77], np.uint32)  # a sample's own key (n > 1), not the entry's
+    assert run(True, other) == run(False, other) != run(False)
+
+
 def test_long_rows_cross_decode_chunks_exactly(tiny):
     # Decode reads the cache in chunks of 128 up to the longest live row; with max_length 300 the third
     # chunk is shifted back to fit. A 250-token prompt decoded past position 256 beside a short one.

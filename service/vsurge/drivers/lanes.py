@@ -1,6 +1,7 @@
 """The messages that travel the queues between a driver's threads (typed, instead of tagged tuples).
 
     prefill thread --PrefilledPack--> transfer thread --Prefilled--> generate thread    (vDriver)
+                                      transfer thread --FirstToken--> detokenize thread (vDriver)
     prefill thread --Prepared--> generate thread                                       (oDriver)
     generate thread --FirstToken | Step | Abort | Preempt | STOP--> detokenize thread
 
