@@ -9,8 +9,8 @@ own: the feeders and the slots. A prefill thread packs the prompts waiting in th
 max_concurrent_prefill, within its prefill_pack_tokens) into one prefill call: under load the prompt work
 is batched, while a lone prompt goes at once; the transfer thread moves the prefixes to a decode engine's
 devices and streams each request's first token (sampled there, so it waits neither for the step in flight
-nor for a free slot). Each decode engine's step thread holds its slots (plain integers, ``DenseSlots``), inserts
-prefilled requests into free slots and runs the decode steps.
+nor for a free slot). Each decode engine's step thread holds its slots (plain integers, ``DenseSlots``),
+inserts prefilled requests into free slots and runs the decode steps.
 """
 
 from __future__ import annotations
