@@ -327,6 +327,9 @@ def test_first_token_streams_before_a_slot_is_free(tiny):
         waits = s.submit(ids_request(prompt, 6))
         one_token = s.submit(ids_request(prompt, 1))
         sampled = s.submit(ids_request(prompt, 1, temperature=1.0, seed=7, n=2))
+        gone = s.submit(ids_request(prompt, 50))  # cancelled after its early first token: no slot, no leak
+        next(iter(gone.channel))
+        gone.cancel()
         first_at = {}
 
         def read(name, r):
@@ -346,6 +349,8 @@ def test_first_token_streams_before_a_slot_is_free(tiny):
         for t in readers:
             t.join(timeout=60)
         assert all(r.done for r in [*busy, waits, one_token, sampled])
+        list(gone.channel)  # ends once the driver sees the cancel (at the latest when a slot frees)
+        assert gone.done and gone.samples[0].finish_reason == "abort"
         a_done = min(r.metadata.finished_at for r in busy)
         for name in ("waits", "one", "sampled"):
             assert first_at[name] < a_done, f"{name}'s first token waited for a slot"
