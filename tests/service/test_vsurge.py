@@ -317,10 +317,11 @@ def test_first_token_streams_before_a_slot_is_free(tiny):
     """With every slot busy, a prefilled request's first token reaches the client at once (it does not
     wait for a slot); the insert reuses that token, and a request its first token finishes takes no slot."""
     model, tok = tiny
-    s = vSurge.create_vdriver(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=MAX_LEN)
+    # long busy requests (500 steps) against one prefill and a first-token sample: a wide margin under load
+    s = vSurge.create_vdriver(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=512)
     s.start()
     try:
-        busy = [s.submit(ids_request([1, 2, i], MAX_LEN - 8)) for i in (3, 4)]
+        busy = [s.submit(ids_request([1, 2, i], 500)) for i in (3, 4)]
         for r in busy:
             next(iter(r.channel))  # both slots are decoding
         prompt = [7, 8, 9, 10]
