@@ -369,6 +369,62 @@ def test_first_token_streams_before_a_slot_is_free(tiny):
         s.stop()
 
 
+class _CountingEngine:
+    """Counts the decode and verify steps a vEngine runs (the engine itself runs unchanged)."""
+
+    @staticmethod
+    def build(model, tok, **kw):
+        from vsurge.engines.vengine import vEngine
+
+        class Counting(vEngine):
+            steps = 0
+
+            def decode(self, state):
+                Counting.steps += 1
+                return super().decode(state)
+
+            def verify(self, state, draft, num_draft):
+                Counting.steps += 1
+                return super().verify(state, draft, num_draft)
+
+        return Counting(model, tok, **kw)
+
+
+@pytest.mark.parametrize("speculative", ["none", "ngram"])
+def test_a_slot_runs_no_step_past_its_last_token(tiny, speculative):
+    """max_tokens is known on the host: the step thread frees a slot the step its last token is
+    dispatched, without waiting for the detokenizer (which lags by the steps in flight), so a request of
+    N tokens costs N - 1 decode steps (the first comes from prefill) and no more."""
+    from vsurge.drivers.vdriver import vDriver
+
+    model, tok = tiny
+    kw = dict(max_concurrent_decodes=2, prefill_lengths=[16], max_length=MAX_LEN)
+    if speculative == "ngram":
+        kw.update(speculative="ngram", num_speculative_tokens=2)
+    engine = _CountingEngine.build(model, tok, **kw)
+    s = vSurge(vDriver(engine, detokenizing_blocks=8))
+    s.start()
+    try:
+        # greedy, so the count is deterministic: with speculation, these continuations draft nothing
+        for n in (1, 2, 7):
+            before = type(engine).steps
+            got = [
+                t
+                for items in s.submit(ids_request([3, 4, 5, 6], n)).channel
+                for x in items
+                for t in x.token_ids
+            ]
+            assert len(got) == n
+            deadline = time.time() + 5
+            while s.driver.num_used_slots and time.time() < deadline:
+                time.sleep(0.01)
+            assert s.driver.num_used_slots == 0
+            time.sleep(0.2)  # a step thread running past the end would step now
+            assert type(engine).steps - before == n - 1, f"max_tokens {n}"
+    finally:
+        s.stop()
+
+
 def _engine_greedy(engine, prefix, entries, steps):
     """Insert entries (index, slot) of one prefix and decode greedily; returns each slot's tokens."""
     state = engine.init_decode_state()

@@ -69,6 +69,10 @@ class DenseSlots:
         # a heap: the lowest free slot goes first, so live slots stay packed and decode covers few rows
         self.free = list(range(engine.max_concurrent_decodes))
         self.waiting: collections.deque[Prefilled] = collections.deque()
+        # tokens each slot may still produce beyond the steps already dispatched (max_tokens or the
+        # context): known on the host, so a slot is freed the step its last token is dispatched, not
+        # when the detokenizer sees it, up to detokenizing_blocks steps later
+        self.left = np.zeros(engine.max_concurrent_decodes, np.int64)
         self.last_step = time.monotonic()
         # structured output: matchers and token masks of the constrained slots (structured/slots.py)
         self.grammars = SlotGrammars(
@@ -91,6 +95,7 @@ class DenseSlots:
 
     def release(self, slot: int) -> None:
         self.owners[slot] = None
+        self.left[slot] = 0
         self.grammars.release(slot)
         if self.drafts is not None:
             self.drafts.release(slot)
@@ -120,9 +125,11 @@ class DenseSlots:
 
     def step(self, state: Any) -> tuple[Any, Any, list[SlotOwner | None]]:
         self.last_step = time.monotonic()
+        owners = list(self.owners)  # the step's rows, as the detokenizer will account them
         if self.drafts is None:
             state, out = self._decode(state)
-            return state, out, list(self.owners)
+            self._dispatched(1)
+            return state, out, owners
         # speculation: the proposer needs every step's tokens before the next step, so each is read here
         draft, num = self.drafts.propose() if not self.grammars else (None, None)
         if num is not None and self._verify_pays(num):
@@ -131,13 +138,25 @@ class DenseSlots:
             self.drafts.observe(draft, num, tokens[:, 0])
             self.drafts.advance(tokens, accepted)
             self.pipeline.metrics.drafted(int(num.sum()), int(accepted.sum()))
-            return state, out, list(self.owners)
+            self._dispatched(accepted.astype(np.int64) + 1)
+            return state, out, owners
         state, out = self._decode(state)
         tokens = np.asarray(out.tokens)
         if num is not None:
             self.drafts.observe(draft, num, tokens)
         self.drafts.advance(tokens)
-        return state, out, list(self.owners)
+        self._dispatched(1)
+        return state, out, owners
+
+    def _dispatched(self, produced: int | np.ndarray) -> None:
+        """A step is out that gives each live row ``produced`` tokens (per row for a verify step): free
+        the slots whose last token it holds. The detokenizer still gets their tokens, from the step's own
+        owners; its later release of them finds the slot no longer theirs and does nothing."""
+        rows = len(self.left) if np.ndim(produced) == 0 else len(produced)
+        self.left[:rows] -= produced
+        for slot in np.flatnonzero(self.left[:rows] <= 0):
+            if self.owners[slot] is not None:
+                self.release(int(slot))
 
     def _verify_pays(self, num_draft: np.ndarray) -> bool:
         spec = self.engine.speculator
@@ -265,9 +284,12 @@ class DenseSlots:
                     heapq.heappush(self.free, s)
                 self.pipeline.fail(req, f"insert failed: {e}")
                 continue
+            context = self.engine.max_length - len(req.prompt_ids)
+            budget = context if req.params.max_tokens is None else min(req.params.max_tokens, context)
             for i, slot, first in zip(samples, slots, firsts, strict=True):
                 owner = SlotOwner(req, i, slot)
                 self.owners[slot] = owner
+                self.left[slot] = budget - 1  # the first token is out
                 req.samples[i].slot = slot
                 self.grammars.sampled(slot, first.tokens)
                 if self.drafts is not None:
@@ -275,6 +297,8 @@ class DenseSlots:
                     self.drafts.start(slot, req.prompt_ids, first_token, req.params, self.engine.max_length)
                 if not early:
                     loop.send(FirstToken(owner, first))
+                if budget <= 1:  # its first token was its last (a structured request's max_tokens 1)
+                    self.release(slot)
         return state
 
 
