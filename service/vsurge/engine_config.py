@@ -222,7 +222,13 @@ class EngineConfig:
     )
     prefill_pack_tokens: int = knob(
         128,
-        "vdriver: prompt tokens one prefill call packs (a longer prompt goes alone)",
+        "vdriver: prompt tokens one prefill row packs (a longer prompt goes alone)",
+        check=at_least(1),
+    )
+    prefill_pack_rows: int = knob(
+        4,
+        "vdriver: rows of prefill_pack_tokens one prefill call may hold when prompts queue up "
+        "(1: always one row)",
         check=at_least(1),
     )
     batch_size: int | None = knob(None, "the seed's batch size (kept; the engines do not use it)")

@@ -452,12 +452,53 @@ def test_packed_prefill_equals_reference(tiny):
     prompts = [[7, 8, 9], list(range(20, 45)), [11] * 9, list(range(100, 117))]
     greedy = SamplingParams(temperature=0.0)
     prefix = engine.prefill_many(prompts, [greedy] * 4)
-    assert prefix.kv[0][0].shape[0] == 64  # 3 + 25 + 9 + 17 = 54 tokens share the 64 bucket
+    assert prefix.kv[0][0].shape[:2] == (1, 64)  # 3 + 25 + 9 + 17 = 54 tokens share the 64 bucket
     got = _engine_greedy(engine, prefix, [(0, 2), (1, 0), (2, 3), (3, 1)], 12)
     want = [greedy_generate(model, [p], 12)[0] for p in prompts]
     assert [got[2], got[0], got[3], got[1]] == want
     with pytest.raises(ValueError, match="exceeds max_prefill_length"):
-        engine.prefill_many([list(range(3, 40)), list(range(3, 40))], [greedy] * 2)  # 74 > 64
+        engine.prefill_many([list(range(3, 70)), [5, 6]], [greedy] * 2)  # 67 + 2 > 64, and 67 > a row
+
+
+def test_multi_row_prefill_equals_reference(tiny):
+    # Prompts beyond one row's tokens go into rows of prefill_pack_tokens, each row its own attention,
+    # first fit: every entry's cache and first token are still its own prompt's.
+    from vsurge.engines.vengine import vEngine
+
+    model, tok = tiny
+    engine = vEngine(
+        model,
+        tok,
+        max_concurrent_decodes=4,
+        prefill_lengths=[16, 32],
+        max_length=MAX_LEN,
+        prefill_pack_tokens=32,
+    )
+    assert engine.pack_rows == [2, 4]
+    rng = np.random.RandomState(4)
+    prompts = [list(rng.randint(3, 300, size=n)) for n in (20, 30, 9, 2)]  # rows: [20, 9, 2], [30]
+    greedy = SamplingParams(temperature=0.0)
+    assert engine.pack_rows_for([len(p) for p in prompts]) == 2
+    prefix = engine.prefill_many(prompts, [greedy] * 4)
+    assert prefix.kv[0][0].shape[:2] == (2, 32)
+    assert list(np.asarray(prefix.starts)[:4]) == [0, 32, 20, 29]
+    got = _engine_greedy(engine, prefix, [(0, 1), (1, 3), (2, 0), (3, 2)], 10)
+    want = [greedy_generate(model, [p], 10)[0] for p in prompts]
+    assert [got[1], got[3], got[0], got[2]] == want
+    # three full rows run as four (the compiled count); five do not fit the largest, 4
+    assert engine.pack_rows_for([30, 30, 30]) == 4
+    assert engine.pack_rows_for([30] * 5) is None
+    assert engine.pack_rows_for([33, 2]) is None  # 33 fits no row and no bucket
+    one_row = vEngine(
+        model,
+        tok,
+        max_concurrent_decodes=4,
+        prefill_lengths=[16, 64],
+        max_length=MAX_LEN,
+        prefill_pack_tokens=32,
+        prefill_pack_rows=1,
+    )
+    assert one_row.pack_rows == [] and one_row.pack_rows_for([30, 30]) == 1  # one 64 row, as before
 
 
 def test_first_sampled_before_insert_continues_like_insert(tiny):

@@ -29,6 +29,8 @@ import jax
 import numpy as np
 
 from ..engine_config import EngineConfig
+from ..engines.prefill_rows import first_fit
+from ..engines.sampling import SampleResult
 from ..engines.speculative import worth_verifying
 from ..engines.vengine import vEngine
 from ..structured.slots import SlotGrammars
@@ -430,17 +432,18 @@ class vDriver:  # noqa: N801 - the seed's name
             return False
         return True
 
-    def _take_batch(self, engine: vEngine, carry: ActiveRequest | None):
-        """The requests of the next prefill call: what is waiting, up to max_concurrent_prefill prompts
-        within prefill_pack_tokens (a longer prompt goes alone: filling its bucket's padding with the prompts
-        behind it measured 3-6% slower under mixed-32). Returns (batch, the request that did not fit, for
-        the next call)."""
+    def _take_batch(self, engine: vEngine, carry: collections.deque[ActiveRequest]) -> list[ActiveRequest]:
+        """The requests of the next prefill call: what is waiting (``carry`` first: taken from the queue
+        but left out of the last call), up to max_concurrent_prefill prompts that fit one call: one row
+        of prefill_pack_tokens, or, when prompts queue up, up to prefill_pack_rows such rows (a longer
+        prompt goes alone: filling its bucket's padding with the prompts behind it measured 3-6% slower
+        under mixed-32). A multi-row call holds as many rows as are full: the prompts of a row that would
+        only pad it to the next compiled row count wait for the next call."""
         batch: list[ActiveRequest] = []
-        tokens = 0
         q = self.pipeline.prefill_q
         while len(batch) < engine.max_concurrent_prefill:
-            if carry is not None:
-                req, carry = carry, None
+            if carry:
+                req = carry.popleft()
             else:
                 try:
                     req = q.get(timeout=0.1) if not batch else q.get_nowait()
@@ -449,25 +452,33 @@ class vDriver:  # noqa: N801 - the seed's name
             if not self._admit_prefill(engine, req):
                 continue
             alone = engine.needs_chunks(req.prompt_ids, req.params)  # chunk by chunk, in its own call
-            if batch and (alone or tokens + len(req.prompt_ids) > engine.prefill_pack_tokens):
-                return batch, req
+            lengths = [len(r.prompt_ids) for r in batch] + [len(req.prompt_ids)]
+            if batch and (alone or engine.pack_rows_for(lengths) is None):
+                carry.appendleft(req)
+                break
             batch.append(req)
-            tokens += len(req.prompt_ids)
             if alone:
                 break
-        return batch, carry
+        rows = engine.pack_rows_for([len(r.prompt_ids) for r in batch]) if batch else 1
+        if rows is not None and rows > 1:
+            where = first_fit([len(r.prompt_ids) for r in batch], engine.prefill_pack_tokens)
+            full = max(r for r in (1, *engine.pack_rows) if r <= max(where) + 1)
+            carry.extendleft(reversed([r for r, w in zip(batch, where, strict=True) if w >= full]))
+            batch = [r for r, w in zip(batch, where, strict=True) if w < full]
+        return batch
 
     def _prefill_loop(self, engine: vEngine) -> None:
-        carry, batch = None, []
+        carry: collections.deque[ActiveRequest] = collections.deque()
+        batch: list[ActiveRequest] = []
         while self.pipeline.live:
-            batch, carry = self._take_batch(engine, carry)
+            batch = self._take_batch(engine, carry)
             if not batch:
                 continue
             handed_off = self._prefill_batch(engine, batch)
             if not handed_off:
                 break
             batch = []
-        for req in batch + ([carry] if carry is not None else []):
+        for req in batch + list(carry):
             self.pipeline.finish(req, "abort")
 
     def _prefill_batch(self, engine: vEngine, batch: list[ActiveRequest]) -> bool:
@@ -524,31 +535,52 @@ class vDriver:  # noqa: N801 - the seed's name
                 p.fail(req, f"transfer failed: {e}")
             return
         now = time.time()
+        firsts = self._stream_firsts(dest, batch, prefix)
         for j, req in enumerate(batch):
             req.metadata.prefill_done_at = now
-            firsts = self._stream_firsts(dest, req, prefix, j)
-            if p.put(dest.lane.backlog, Prefilled(req, prefix, j, firsts)):
+            if p.put(dest.lane.backlog, Prefilled(req, prefix, j, firsts[j])):
                 p.left_pipeline(req)
             else:
                 p.finish(req, "abort")
 
-    def _stream_firsts(self, dest: DenseSlots, req: ActiveRequest, prefix, j: int) -> list | None:
-        """Sample each sample's first token now and send it to the lane's detokenizer, ahead of the insert:
-        the client sees it without waiting for the step in flight (or for a free slot). The insert then
-        reuses these tokens, so the output is what sampling at insert gives. A structured request keeps
-        sampling at insert, under its grammar's first mask; None then (and when it failed here)."""
-        if getattr(req.params, "grammar", None) is not None or req.cancelled:
-            return None
+    def _stream_firsts(self, dest: DenseSlots, batch: list[ActiveRequest], prefix) -> list[list | None]:
+        """Sample every sample's first token of a pack now (max_concurrent_prefill per program call) and
+        send each to the lane's detokenizer, ahead of its insert: the client sees it without waiting for
+        the step in flight (or for a free slot). The insert then reuses these tokens, so the output is what
+        sampling at insert gives. A structured request keeps sampling at insert, under its grammar's first
+        mask: None for it (and for every request of the pack when sampling failed here)."""
+        out: list[list | None] = [None] * len(batch)
+        picks = [
+            (j, i)
+            for j, req in enumerate(batch)
+            if getattr(req.params, "grammar", None) is None and not req.cancelled
+            for i in range(req.params.n)
+        ]
+        if not picks:
+            return out
+        engine = dest.engine
         try:
-            firsts = [
-                dest.engine.sample_first(prefix, None if req.keys is None else req.keys[i], j)
-                for i in range(req.params.n)
-            ]
-        except Exception as e:  # the insert samples it instead, and reports a failure there
-            log.warning("first token before insert failed, sampling at insert: %s", e)
-            return None
-        for i, first in enumerate(firsts):
-            # sent before the request reaches the backlog, so it precedes every step holding its tokens
-            if not self.pipeline.put(dest.lane.detok, FirstToken(SlotOwner(req, i, None), first)):
-                return None
-        return firsts
+            own = engine.entry_keys(prefix)
+            keys = np.stack([own[j] if batch[j].keys is None else batch[j].keys[i] for j, i in picks])
+            m = engine.max_concurrent_prefill
+            rows = []
+            for at in range(0, len(picks), m):
+                part = picks[at : at + m]
+                res = engine.sample_firsts(prefix, [j for j, _ in part], keys[at : at + m])
+                host = [np.asarray(x) for x in res]
+                rows += [SampleResult(*(x[r : r + 1] for x in host)) for r in range(len(part))]
+        except Exception as e:  # the insert samples them instead, and reports a failure there
+            log.warning("first tokens before insert failed, sampling at insert: %s", e)
+            return out
+        for (j, i), first in zip(picks, rows, strict=True):
+            out[j] = out[j] or [None] * batch[j].params.n
+            out[j][i] = first
+        for j, req in enumerate(batch):
+            if out[j] is None:
+                continue
+            for i, first in enumerate(out[j]):
+                # sent before the request reaches the backlog, so it precedes every step holding its tokens
+                if not self.pipeline.put(dest.lane.detok, FirstToken(SlotOwner(req, i, None), first)):
+                    out[j] = None
+                    break
+        return out

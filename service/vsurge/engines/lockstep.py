@@ -63,6 +63,8 @@ LOCAL_METHODS = frozenset(
         "check_prompt",
         "needs_chunks",
         "bucket_for",
+        "pack_rows_for",
+        "entry_keys",
         "pages_bucket",
         "prefill_shapes",
         "get_state_shardings",

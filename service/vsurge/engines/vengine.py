@@ -32,6 +32,7 @@ from ..models.sharding import kv_cache_sharding
 from ..sampling_params import SamplingParams
 from .chunked_prefill import ChunkedPrefill
 from .engine_base import EngineBase, constrain, sample_step
+from .prefill_rows import first_fit, row_counts, rows_needed
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
     SampleResult,
@@ -61,36 +62,37 @@ class GenerationState(NamedTuple):
 
 
 class Prefix(NamedTuple):
-    """Prompts prefilled in one call, packed one after another in one row of a prefill bucket.
+    """Prompts prefilled in one call, packed one after another in the rows of a prefill shape: one row of
+    a bucket, or several rows of prefill_pack_tokens (prefill_rows.py).
 
     Entry j (j < max_concurrent_prefill) is inserted into a slot by its index; unused entries have
     length 0. Logits are computed at insert from the last hidden state, only for the entries used.
     """
 
-    kv: tuple[tuple[jax.Array, jax.Array], ...]  # per layer k, v [bucket, kv_heads, head_dim]: the packed row
+    kv: tuple[tuple[jax.Array, jax.Array], ...]  # per layer k, v [rows, row length, kv_heads, head_dim]
     hidden: jax.Array  # [K, hidden] final hidden state at each prompt's last token
-    starts: jax.Array  # i32[K] where each prompt begins in the row
+    starts: jax.Array  # i32[K] where each prompt begins: row * row length + offset in the row
     lengths: jax.Array  # i32[K] prompt lengths (0: unused entry)
     prompt_mask: jax.Array  # bool[K, V]
     sampling: SlotSampling  # K rows
 
 
-def _prefill_impl(graphdef, params, tokens, positions, segments, starts, lengths, sampling):
-    """Prefill the prompts packed in `tokens` (segment j holds prompt j, positions restart in each)."""
+def _prefill_impl(graphdef, params, tokens, positions, segments, totals, starts, lengths, sampling):
+    """Prefill the prompts packed in `tokens` [R, L] (segment j holds prompt j, positions restart in
+    each; row r holds totals[r] tokens, then padding)."""
     model = nnx.merge(graphdef, params)
-    t = tokens.shape[0]
-    total = jnp.sum(lengths)
+    r, t = tokens.shape
     backend = PrefillAttention(window=model.config.sliding_window)
-    meta = (positions[None], total[None], segments[None])
-    hidden, kv = model(tokens[None], positions[None], backend, [None] * model.config.num_layers, meta)
-    last = hidden[0][jnp.maximum(starts + lengths - 1, 0)]
+    meta = (positions, totals, segments)
+    hidden, kv = model(tokens, positions, backend, [None] * model.config.num_layers, meta)
+    last = hidden.reshape(r * t, -1)[jnp.maximum(starts + lengths - 1, 0)]
     vocab = model.config.vocab_size
-    valid = jnp.arange(t) < total
+    valid = (jnp.arange(t)[None, :] < totals[:, None]).reshape(-1)
+    seg, tok = segments.reshape(-1), tokens.reshape(-1)
     # padding scatters to index V, which mode="drop" discards
     mask = jnp.zeros((starts.shape[0], vocab), bool)
-    mask = mask.at[jnp.where(valid, segments, 0), jnp.where(valid, tokens, vocab)].set(True, mode="drop")
-    kv = tuple((k[0], v[0]) for k, v in kv)
-    return Prefix(kv, last, starts, lengths, mask, sampling)
+    mask = mask.at[jnp.where(valid, seg, 0), jnp.where(valid, tok, vocab)].set(True, mode="drop")
+    return Prefix(tuple((k, v) for k, v in kv), last, starts, lengths, mask, sampling)
 
 
 def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab: int):
@@ -101,7 +103,7 @@ def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab
     hidden = jnp.zeros((entries, last.shape[-1]), last.dtype).at[0].set(last)
     starts = jnp.zeros((entries,), jnp.int32)
     lengths = jnp.zeros((entries,), jnp.int32).at[0].set(length)
-    return Prefix(kv, hidden, starts, lengths, mask, sampling)
+    return Prefix(tuple((k[None], v[None]) for k, v in kv), hidden, starts, lengths, mask, sampling)
 
 
 def _spec(a: Any) -> Any:
@@ -137,20 +139,33 @@ def _first_impl(
         )
 
 
+def _firsts_impl(graphdef, params, hidden, rows, prompt_mask, js, keys, *, num_top: int, logits_sharding):
+    """The first tokens of entries js (i32[M]) with keys (u32[M, 2]), in one program: the logits read
+    the embedding once for all of them (a pack's first tokens, or one entry's repeated)."""
+    model = nnx.merge(graphdef, params)
+    logits = model.compute_logits(hidden[js])
+    if logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    picked = SlotSampling(*(a[js] for a in rows))._replace(key=keys)
+    with sharded_sampling() if logits_sharding is not None else contextlib.nullcontext():
+        return sample(logits, picked, None, prompt_mask[js], jnp.zeros(js.shape, jnp.int32), num_top)
+
+
 def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_token, *, shardings):
-    # the whole packed row, shifted so entry j starts at position 0; what follows the prompt is never
+    # entry j's whole row, shifted so the entry starts at position 0; what follows the prompt is never
     # read (decode writes position p before attending to positions <= p)
-    t = prefix.kv[0][0].shape[0]
+    t = prefix.kv[0][0].shape[1]
+    row, at = prefix.starts[j] // t, prefix.starts[j] % t
     # a chunked prefill's row may be longer than the cache (rounded up to whole chunks)
-    src = jnp.minimum(prefix.starts[j] + jnp.arange(min(t, state.caches[0][0].shape[1])), t - 1)
+    src = jnp.minimum(at + jnp.arange(min(t, state.caches[0][0].shape[1])), t - 1)
+
+    def entry(x):
+        return jnp.take(jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), src, axis=0)[None]
+
     caches = tuple(
         (
-            jax.lax.dynamic_update_slice(
-                kc, kv_store(jnp.take(k, src, axis=0)[None], kc.dtype), (slot, 0, 0, 0)
-            ),
-            jax.lax.dynamic_update_slice(
-                vc, kv_store(jnp.take(v, src, axis=0)[None], vc.dtype), (slot, 0, 0, 0)
-            ),
+            jax.lax.dynamic_update_slice(kc, kv_store(entry(k), kc.dtype), (slot, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(vc, kv_store(entry(v), vc.dtype), (slot, 0, 0, 0)),
         )
         for (kc, vc), (k, v) in zip(state.caches, prefix.kv, strict=True)
     )
@@ -224,10 +239,15 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self._first = jax.jit(
             partial(_first_impl, self.graphdef, num_top=num_top_logprobs, logits_sharding=logits_sharding)
         )
+        self._firsts = jax.jit(
+            partial(_firsts_impl, self.graphdef, num_top=num_top_logprobs, logits_sharding=logits_sharding)
+        )
         self._insert = jax.jit(partial(_insert_impl, shardings=self._state_shardings), donate_argnums=(1,))
         # packs stay small: on XLA:CPU prefill costs least per token at 128-256 tokens, and a small pack
         # reaches the decode batch sooner (measured: 128 beats 64 and 512 by 3-8% at 32 concurrent)
         self.prefill_pack_tokens = min(config.prefill_pack_tokens, self.max_prefill_length)
+        # rows of prefill_pack_tokens a call may hold when prompts queue up (prefill_rows.py)
+        self.pack_rows = [r for r in row_counts(config.prefill_pack_rows) if r <= self.max_concurrent_prefill]
         self._decode = {
             rows: jax.jit(
                 partial(
@@ -334,7 +354,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             return self._replicated()
         c = self.config
         kv = NamedSharding(
-            self.mesh, P(None, "tp", None) if c.num_kv_heads % self.mesh.shape["tp"] == 0 else P()
+            self.mesh, P(None, None, "tp", None) if c.num_kv_heads % self.mesh.shape["tp"] == 0 else P()
         )
         rep = NamedSharding(self.mesh, P())
         return Prefix(
@@ -423,28 +443,46 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         smallest bucket that holds them all (no padding per prompt). Dispatched asynchronously."""
         return self._prefill(self.prefill_params, *self._pack(prompts, params, stop_ids))
 
+    def pack_rows_for(self, lengths: Sequence[int]) -> int | None:
+        """The rows of the call that prefills prompts of these lengths together: 1 (one row, the bucket
+        that holds them all), a compiled multi-row count, or None when they do not fit one call. Prompts
+        beyond prefill_pack_tokens in all go into rows of that length when each fits one."""
+        total = sum(lengths)
+        if len(lengths) > 1 and total > self.prefill_pack_tokens and self.pack_rows:
+            need = rows_needed(lengths, self.prefill_pack_tokens)
+            if need is not None and need <= self.pack_rows[-1]:
+                return next(r for r in self.pack_rows if r >= need)
+        return 1 if total <= self.max_prefill_length else None
+
     def _pack(self, prompts, params, stop_ids) -> tuple:
         k = self.max_concurrent_prefill
         if not 1 <= len(prompts) <= k or len(params) != len(prompts):
             raise ValueError(f"prefill_many takes 1..{k} prompts with one SamplingParams each")
         lengths = [self.check_prompt(p) for p in prompts]
-        bucket = self.bucket_for(sum(lengths))  # a prompt longer than every bucket: prefill_chunked
-        tokens = np.full(bucket, self.pad_token_id, np.int32)
-        positions = np.zeros(bucket, np.int32)
-        segments = np.full(bucket, k, np.int32)
+        rows = self.pack_rows_for(lengths)
+        if rows == 1 or rows is None:
+            # a prompt longer than every bucket goes to prefill_chunked; bucket_for says so
+            width, where = self.bucket_for(sum(lengths)), [0] * len(prompts)
+        else:
+            width, where = self.prefill_pack_tokens, first_fit(lengths, self.prefill_pack_tokens)
+        rows = rows or 1
+        tokens = np.full((rows, width), self.pad_token_id, np.int32)
+        positions = np.zeros((rows, width), np.int32)
+        segments = np.full((rows, width), k, np.int32)
+        totals = np.zeros(rows, np.int32)
         starts = np.zeros(k, np.int32)
         lens = np.zeros(k, np.int32)
-        at = 0
-        for j, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
-            tokens[at : at + n] = p
-            positions[at : at + n] = np.arange(n)
-            segments[at : at + n] = j
-            starts[j], lens[j] = at, n
-            at += n
+        for j, (p, n, r) in enumerate(zip(prompts, lengths, where, strict=True)):
+            at = int(totals[r])
+            tokens[r, at : at + n] = p
+            positions[r, at : at + n] = np.arange(n)
+            segments[r, at : at + n] = j
+            starts[j], lens[j] = r * width + at, n
+            totals[r] += n
         stops = [list(s)[:DEFAULT_MAX_STOP_IDS] for s in (stop_ids or [()] * len(prompts))]
         pad = k - len(prompts)
-        rows = make_slot_sampling(list(params) + [None] * pad, stop_ids=stops + [[]] * pad)
-        return tokens, positions, segments, starts, lens, rows
+        sampling = make_slot_sampling(list(params) + [None] * pad, stop_ids=stops + [[]] * pad)
+        return tokens, positions, segments, totals, starts, lens, sampling
 
     def insert(
         self,
@@ -465,7 +503,9 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         key = self._host_key(prefix, key, index)
         if first is None:
             first = self.sample_first(prefix, key, index, token_mask)
-        state = self._insert(prefix, decode_state, j, np.int32(slot), key, first.tokens[0])
+        # a host scalar either way (the early tokens are on the host): one jit signature
+        token = np.asarray(first.tokens, np.int32)[0]
+        state = self._insert(prefix, decode_state, j, np.int32(slot), key, token)
         self._pos[slot] = int(prefix.lengths[index]) if length is None else length
         self._active[slot] = True
         return state, first
@@ -505,6 +545,25 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         return self._first(
             self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, np.int32(index), key, *masked
         )
+
+    def sample_firsts(self, prefix: Prefix, entries: Sequence[int], keys: np.ndarray) -> SampleResult:
+        """First tokens of up to max_concurrent_prefill samples of one prefix in one program call: entry
+        ``entries[i]`` with key ``keys[i]`` (u32[n, 2]) is row i of the result (M rows; those past n
+        repeat row 0). One call reads the embedding once for the logits of all of them, where a call per
+        sample (`sample_first`) reads it per sample. The rows sample as `sample_first` does; the logits
+        come from one matmul of M rows, so they may differ from it in the last bits."""
+        m, n = self.max_concurrent_prefill, len(entries)
+        if not 1 <= n <= m or len(keys) != n:
+            raise ValueError(f"sample_firsts takes 1..{m} entries with one key each")
+        js = np.full(m, entries[0], np.int32)
+        js[:n] = entries
+        ks = np.repeat(np.asarray(keys[:1], np.uint32), m, axis=0)
+        ks[:n] = keys
+        return self._firsts(self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, js, ks)
+
+    def entry_keys(self, prefix: Prefix) -> np.ndarray:
+        """u32[K, 2]: each entry's own sampling key, on the host."""
+        return np.asarray(prefix.sampling.key, np.uint32)
 
     @staticmethod
     def _host_key(prefix: Prefix, key: np.ndarray | None, index: int) -> np.ndarray:
@@ -587,6 +646,17 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             )
             for n in self.prefill_lengths
         ]
+        # multi-row packs: as many rows as prompts, each prompt filling its row
+        width = self.prefill_pack_tokens
+        warm_rows = {r: [[1] * min(width, self.max_prompt_length)] * r for r in self.pack_rows}
+        jobs += [
+            (
+                f"prefill rows {r}x{width}",
+                self._prefill,
+                (self.prefill_params, *self._pack(prompts, greedy * r, None)),
+            )
+            for r, prompts in warm_rows.items()
+        ]
         jobs += [
             (f"decode slots={r}", fn, (self.step_params(r), state, np.ones(r, np.int32)))
             for r, fn in self._decode.items()
@@ -606,6 +676,12 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
                 say(line)
         for n in self.prefill_lengths:  # warm every program on the real state
             state, first = self.insert(self.prefill(warm[n], greedy[0]), state, 0)
+        for r, prompts in warm_rows.items():
+            state, first = self.insert(self.prefill_many(prompts, greedy * r), state, 0, index=r - 1)
+        # a driver's early first tokens (sample_firsts, read to the host), then the insert that takes one
+        prefix = self.prefill(warm[self.prefill_lengths[0]], greedy[0])
+        host = [np.asarray(x) for x in self.sample_firsts(prefix, [0], self.entry_keys(prefix)[:1])]
+        state, first = self.insert(prefix, state, 0, first=SampleResult(*(x[:1] for x in host)))
         # a chunked prefill through every bucket, with prompt logprobs, then its (longer) row's insert
         self.warm_chunked()
         state, first = self.insert(self.prefill_chunked([1] * self.max_prompt_length, greedy[0])[0], state, 0)
