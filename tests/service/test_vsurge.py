@@ -691,6 +691,61 @@ def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
     assert s.driver.num_used_slots == 0
 
 
+def test_driver_prefills_a_queue_in_full_rows(tiny):
+    # Prompts that queue up beyond one row's tokens go into one call of several rows, each row full: the
+    # prompts of a row that would only pad the call to the next compiled row count wait for the next call.
+    from vsurge.engines.prefill_rows import rows_needed
+
+    model, tok = tiny
+    s = vSurge.create_vdriver(
+        model,
+        tok,
+        max_concurrent_decodes=16,
+        prefill_lengths=[16, 32],
+        max_length=MAX_LEN,
+        prefill_pack_tokens=32,
+    )
+    engine = s.driver.engines[0]
+    assert engine.pack_rows == [2, 4]
+    calls: list[list[int]] = []
+    gate = threading.Event()
+    real = engine.prefill_many
+
+    def held(prompts, *a, **kw):
+        calls.append([len(p) for p in prompts])
+        if len(calls) == 1:
+            gate.wait(20)  # the rest queue up behind the first call
+        return real(prompts, *a, **kw)
+
+    s.compile()
+    engine.prefill_many = held
+    rng = np.random.RandomState(8)
+    lengths = (11, 20, 20, 20, 12, 12, 5, 16, 17, 9, 9, 9, 9)
+    prompts = [list(rng.randint(3, 300, size=n)) for n in lengths]
+    want = [greedy_generate(model, [p], 5)[0] for p in prompts]
+    s.start()
+    try:
+        first = s.submit(ids_request(prompts[0], 5))
+        deadline = time.time() + 10
+        while not calls and time.time() < deadline:
+            time.sleep(0.01)
+        queued = [ids_request(p, 5) for p in prompts[1:]]
+        rest = [s.submit(r) for r in queued]  # within ms: the queue's shortest-first order holds
+        gate.set()
+        got = [[t for items in a.channel for x in items for t in x.token_ids] for a in [first, *rest]]
+    finally:
+        s.stop()
+    assert got == want
+    # the queue hands out shortest first; rows of 32, first fit: 5 9 9 9 | 9 12 | 12 16 | 17 fill the four
+    # rows (the 20s find no room); then 20 | 20 | 20 would take three rows, which run as four, so the
+    # third 20 waits for the next call
+    assert calls == [[11], [5, 9, 9, 9, 9, 12, 12, 16, 17], [20, 20], [20]], calls
+    assert sorted(n for c in calls for n in c) == sorted(len(p) for p in prompts)
+    for c in calls:
+        assert rows_needed(c, 32) == engine.pack_rows_for(c), c  # whole rows, no padded row
+    assert s.driver.num_used_slots == 0
+
+
 BF16 = {"prefill_dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "decode_dtype": "bfloat16"}
 
 
