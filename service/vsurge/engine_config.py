@@ -61,7 +61,7 @@ MAX_LENGTH_CAP = 2048  # max_length=None: the model's context, at most this
 
 # Defaults that differ by driver, for fields left at None (the engine fills them in).
 _PER_DRIVER: dict[str, dict[str, int]] = {
-    "vdriver": {"max_concurrent_prefill": 16, "max_prefill_length": 1024},
+    "vdriver": {"max_concurrent_prefill": 64, "max_prefill_length": 1024},
     # odriver prefills one sequence's chunk per call; a longer prompt takes several chunks
     "odriver": {"max_concurrent_prefill": 1, "max_prefill_length": 512},
 }
@@ -189,12 +189,12 @@ class EngineConfig:
     )
     max_concurrent_prefill: int | None = knob(
         None,
-        "prompts one prefill call may pack together (vdriver)",
+        "prompts one prefill call may pack together (vdriver; 16 while streams decode)",
         check=at_least(1),
         serve=True,
         text=parse_int,
         metavar="N",
-        shown="16 on vdriver, 1 on odriver",
+        shown="64 on vdriver, 1 on odriver",
     )
     max_length: int | None = knob(
         None,
@@ -226,9 +226,9 @@ class EngineConfig:
         check=at_least(1),
     )
     prefill_pack_rows: int = knob(
-        4,
+        16,
         "vdriver: rows of prefill_pack_tokens one prefill call may hold when prompts queue up "
-        "(1: always one row)",
+        "(4 while streams decode; 1: always one row)",
         check=at_least(1),
     )
     batch_size: int | None = knob(None, "the seed's batch size (kept; the engines do not use it)")

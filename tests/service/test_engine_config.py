@@ -62,7 +62,7 @@ def test_defaults_are_the_seeds():
     )
     assert (cfg.max_queue_size, cfg.min_decode_tokens, cfg.enable_prefix_caching) == (1024, 128, True)
     assert cfg.max_length is None and cfg.prefill_lengths is None and cfg.kv_cache_bytes is None
-    assert cfg.resolved("max_concurrent_prefill") == 16
+    assert cfg.resolved("max_concurrent_prefill") == 64
     assert cfg.replace(driver="odriver").resolved("max_concurrent_prefill") == 1
 
 

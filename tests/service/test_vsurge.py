@@ -124,6 +124,10 @@ def test_cancel_frees_slot_at_once(surge):
     async def run():
         gen = surge.complete(ids_request([1, 2, 3], MAX_LEN - 10))
         await gen.__anext__()
+        # the first token streams before the insert: the slot is taken a moment later
+        deadline = time.time() + 5
+        while surge.driver.num_used_slots != 1 and time.time() < deadline:
+            await asyncio.sleep(0.005)
         assert surge.driver.num_used_slots == 1
         await gen.aclose()
         deadline = time.time() + 2
@@ -473,6 +477,7 @@ def test_multi_row_prefill_equals_reference(tiny):
         prefill_lengths=[16, 32],
         max_length=MAX_LEN,
         prefill_pack_tokens=32,
+        prefill_pack_rows=4,
     )
     assert engine.pack_rows == [2, 4]
     rng = np.random.RandomState(4)
@@ -488,6 +493,8 @@ def test_multi_row_prefill_equals_reference(tiny):
     # three full rows run as four (the compiled count); five do not fit the largest, 4
     assert engine.pack_rows_for([30, 30, 30]) == 4
     assert engine.pack_rows_for([30] * 5) is None
+    assert engine.pack_rows_for([30, 30, 30], max_rows=2) is None  # a busy driver's smaller calls
+    assert engine.pack_rows_for([30, 30], max_rows=2) == 2
     assert engine.pack_rows_for([33, 2]) is None  # 33 fits no row and no bucket
     one_row = vEngine(
         model,
@@ -704,6 +711,7 @@ def test_driver_prefills_a_queue_in_full_rows(tiny):
         prefill_lengths=[16, 32],
         max_length=MAX_LEN,
         prefill_pack_tokens=32,
+        prefill_pack_rows=4,
     )
     engine = s.driver.engines[0]
     assert engine.pack_rows == [2, 4]
@@ -723,9 +731,12 @@ def test_driver_prefills_a_queue_in_full_rows(tiny):
     lengths = (11, 20, 20, 20, 12, 12, 5, 16, 17, 9, 9, 9, 9)
     prompts = [list(rng.randint(3, 300, size=n)) for n in lengths]
     want = [greedy_generate(model, [p], 5)[0] for p in prompts]
+    want[0] = want[0][:1]
     s.start()
     try:
-        first = s.submit(ids_request(prompts[0], 5))
+        # max_tokens 1: its first token ends it, so it takes no slot and the engine stays idle (full-size
+        # calls) while the rest are taken
+        first = s.submit(ids_request(prompts[0], 1))
         deadline = time.time() + 10
         while not calls and time.time() < deadline:
             time.sleep(0.01)
@@ -743,6 +754,99 @@ def test_driver_prefills_a_queue_in_full_rows(tiny):
     assert sorted(n for c in calls for n in c) == sorted(len(p) for p in prompts)
     for c in calls:
         assert rows_needed(c, 32) == engine.pack_rows_for(c), c  # whole rows, no padded row
+    assert s.driver.num_used_slots == 0
+
+
+def test_prefill_lingers_for_a_burst_then_not(tiny, monkeypatch):
+    # Clients that submit together arrive some ms apart: an idle driver's prefill call keeps taking
+    # prompts while each arrives within PREFILL_GAP_S of the last, so the burst is prefilled in one call
+    # and decodes as one cohort; a prompt that comes after a longer pause goes in a call of its own.
+    from vsurge.drivers import vdriver
+
+    # wide bounds, so a loaded machine's scheduling jitter cannot split the burst
+    monkeypatch.setattr(vdriver, "PREFILL_GAP_S", 0.3)
+    monkeypatch.setattr(vdriver, "PREFILL_LINGER_S", 2.0)
+    model, tok = tiny
+    s = vSurge.create_vdriver(
+        model, tok, max_concurrent_decodes=8, prefill_lengths=BUCKETS, max_length=MAX_LEN
+    )
+    engine = s.driver.engines[0]
+    calls: list[list[int]] = []
+    real = engine.prefill_many
+
+    def counting(prompts, *a, **kw):
+        calls.append([len(p) for p in prompts])
+        return real(prompts, *a, **kw)
+
+    s.compile()
+    engine.prefill_many = counting
+    rng = np.random.RandomState(9)
+    prompts = [list(rng.randint(3, 300, size=n)) for n in (3, 4, 5, 6, 7)]
+    want = [greedy_generate(model, [p], 4)[0] for p in prompts]
+    s.start()
+    try:
+        actives = []
+        for p in prompts[:4]:
+            actives.append(s.submit(ids_request(p, 4)))
+            time.sleep(0.03)  # a trickle: each arrives well inside the gap, none with the one before
+        first_four = [[t for items in a.channel for x in items for t in x.token_ids] for a in actives]
+        time.sleep(0.5)  # longer than the gap: the fifth is a call of its own
+        last = s.submit(ids_request(prompts[4], 4))
+        fifth = [t for items in last.channel for x in items for t in x.token_ids]
+    finally:
+        s.stop()
+    assert [*first_four, fifth] == want
+    assert calls == [[3, 4, 5, 6], [7]], calls
+    assert s.driver.num_used_slots == 0
+
+
+def test_busy_driver_prefills_in_smaller_calls(tiny, monkeypatch):
+    # While a stream decodes, a prefill call holds at most BUSY_PREFILL_PROMPTS prompts (a call's prompts
+    # see their first token only when the whole call is done); an idle driver takes a queue like this in
+    # one call (test_prefill_lingers_for_a_burst_then_not).
+    from vsurge.drivers import vdriver
+
+    monkeypatch.setattr(vdriver, "BUSY_PREFILL_PROMPTS", 2)
+    model, tok = tiny
+    s = vSurge.create_vdriver(
+        model, tok, max_concurrent_decodes=8, prefill_lengths=BUCKETS, max_length=MAX_LEN
+    )
+    engine = s.driver.engines[0]
+    calls: list[list[int]] = []
+    steps_may_run = threading.Event()  # the first request holds its slot until the calls are counted
+    real_prefill, real_decode = engine.prefill_many, engine.decode
+
+    def counting(prompts, *a, **kw):
+        calls.append([len(p) for p in prompts])
+        return real_prefill(prompts, *a, **kw)
+
+    def held(state):
+        steps_may_run.wait(20)
+        return real_decode(state)
+
+    s.compile()
+    engine.prefill_many, engine.decode = counting, held
+    rng = np.random.RandomState(10)
+    prompts = [list(rng.randint(3, 300, size=n)) for n in (4, 5, 6, 7, 8)]
+    want = [greedy_generate(model, [p], 4)[0] for p in prompts]
+    s.start()
+    try:
+        first = s.submit(ids_request([5, 6, 7], 4))
+        deadline = time.time() + 20
+        while s.driver.num_used_slots == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        actives = [s.submit(ids_request(p, 4)) for p in prompts]
+        while sum(map(len, calls)) < 1 + len(prompts) and time.time() < deadline:
+            time.sleep(0.01)
+        steps_may_run.set()
+        got = [[t for items in a.channel for x in items for t in x.token_ids] for a in actives]
+        assert len([t for items in first.channel for x in items for t in x.token_ids]) == 4
+    finally:
+        steps_may_run.set()
+        s.stop()
+    assert got == want
+    assert calls[0] == [3] and all(len(c) <= 2 for c in calls[1:]), calls
+    assert sorted(n for c in calls[1:] for n in c) == [4, 5, 6, 7, 8]
     assert s.driver.num_used_slots == 0
 
 

@@ -246,8 +246,10 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         # packs stay small: on XLA:CPU prefill costs least per token at 128-256 tokens, and a small pack
         # reaches the decode batch sooner (measured: 128 beats 64 and 512 by 3-8% at 32 concurrent)
         self.prefill_pack_tokens = min(config.prefill_pack_tokens, self.max_prefill_length)
-        # rows of prefill_pack_tokens a call may hold when prompts queue up (prefill_rows.py)
-        self.pack_rows = [r for r in row_counts(config.prefill_pack_rows) if r <= self.max_concurrent_prefill]
+        # rows of prefill_pack_tokens a call may hold when prompts queue up (prefill_rows.py); each row
+        # holds a prompt at least, and prompts beyond the slots wait for one anyway
+        most = min(self.max_concurrent_prefill, self.max_concurrent_decodes)
+        self.pack_rows = [r for r in row_counts(config.prefill_pack_rows) if r <= most]
         self._decode = {
             rows: jax.jit(
                 partial(
@@ -443,15 +445,17 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         smallest bucket that holds them all (no padding per prompt). Dispatched asynchronously."""
         return self._prefill(self.prefill_params, *self._pack(prompts, params, stop_ids))
 
-    def pack_rows_for(self, lengths: Sequence[int]) -> int | None:
+    def pack_rows_for(self, lengths: Sequence[int], max_rows: int | None = None) -> int | None:
         """The rows of the call that prefills prompts of these lengths together: 1 (one row, the bucket
-        that holds them all), a compiled multi-row count, or None when they do not fit one call. Prompts
-        beyond prefill_pack_tokens in all go into rows of that length when each fits one."""
+        that holds them all), a compiled multi-row count (at most max_rows; default the largest), or None
+        when they do not fit one call. Prompts beyond prefill_pack_tokens in all go into rows of that
+        length when each fits one."""
         total = sum(lengths)
-        if len(lengths) > 1 and total > self.prefill_pack_tokens and self.pack_rows:
+        rows = [r for r in self.pack_rows if max_rows is None or r <= max_rows]
+        if len(lengths) > 1 and total > self.prefill_pack_tokens and rows:
             need = rows_needed(lengths, self.prefill_pack_tokens)
-            if need is not None and need <= self.pack_rows[-1]:
-                return next(r for r in self.pack_rows if r >= need)
+            if need is not None and need <= rows[-1]:
+                return next(r for r in rows if r >= need)
         return 1 if total <= self.max_prefill_length else None
 
     def _pack(self, prompts, params, stop_ids) -> tuple:
