@@ -757,6 +757,19 @@ def test_driver_prefills_a_queue_in_full_rows(tiny):
     assert s.driver.num_used_slots == 0
 
 
+def record_prefill_calls(engine) -> list[list[int]]:
+    """Wraps the engine's prefill_many: the prompt lengths of each call, in order."""
+    calls: list[list[int]] = []
+    real = engine.prefill_many
+
+    def recording(prompts, *a, **kw):
+        calls.append([len(p) for p in prompts])
+        return real(prompts, *a, **kw)
+
+    engine.prefill_many = recording
+    return calls
+
+
 def test_prefill_lingers_for_a_burst_then_not(tiny, monkeypatch):
     # Clients that submit together arrive some ms apart: an idle driver's prefill call keeps taking
     # prompts while each arrives within PREFILL_GAP_S of the last, so the burst is prefilled in one call
@@ -770,16 +783,8 @@ def test_prefill_lingers_for_a_burst_then_not(tiny, monkeypatch):
     s = vSurge.create_vdriver(
         model, tok, max_concurrent_decodes=8, prefill_lengths=BUCKETS, max_length=MAX_LEN
     )
-    engine = s.driver.engines[0]
-    calls: list[list[int]] = []
-    real = engine.prefill_many
-
-    def counting(prompts, *a, **kw):
-        calls.append([len(p) for p in prompts])
-        return real(prompts, *a, **kw)
-
     s.compile()
-    engine.prefill_many = counting
+    calls = record_prefill_calls(s.driver.engines[0])
     rng = np.random.RandomState(9)
     prompts = [list(rng.randint(3, 300, size=n)) for n in (3, 4, 5, 6, 7)]
     want = [greedy_generate(model, [p], 4)[0] for p in prompts]
@@ -812,20 +817,16 @@ def test_busy_driver_prefills_in_smaller_calls(tiny, monkeypatch):
         model, tok, max_concurrent_decodes=8, prefill_lengths=BUCKETS, max_length=MAX_LEN
     )
     engine = s.driver.engines[0]
-    calls: list[list[int]] = []
     steps_may_run = threading.Event()  # the first request holds its slot until the calls are counted
-    real_prefill, real_decode = engine.prefill_many, engine.decode
-
-    def counting(prompts, *a, **kw):
-        calls.append([len(p) for p in prompts])
-        return real_prefill(prompts, *a, **kw)
+    real_decode = engine.decode
 
     def held(state):
         steps_may_run.wait(20)
         return real_decode(state)
 
     s.compile()
-    engine.prefill_many, engine.decode = counting, held
+    calls = record_prefill_calls(engine)
+    engine.decode = held
     rng = np.random.RandomState(10)
     prompts = [list(rng.randint(3, 300, size=n)) for n in (4, 5, 6, 7, 8)]
     want = [greedy_generate(model, [p], 4)[0] for p in prompts]
