@@ -52,7 +52,8 @@ PREFILL_GAP_S = 0.005
 PREFILL_LINGER_S = 0.025
 # While streams decode, a prefill call holds at most this many prompts in this many rows (the bounds of
 # before the idle burst took whole calls): a call's prompts see their first token only when the whole call
-# is done, and larger calls raised mixed-32's TTFT p50 from 1.35 s to 1.58-1.66 s (HTTP, two runs)
+# is done (an earlier try measured larger busy calls raising mixed-32's TTFT p50 from 1.35 s to 1.58-1.66 s,
+# HTTP, two runs; the larger idle calls measured no TTFT cost, see the README)
 BUSY_PREFILL_PROMPTS = 16
 BUSY_PREFILL_ROWS = 4
 
