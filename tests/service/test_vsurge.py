@@ -666,6 +666,19 @@ def test_bfloat16_decode_runs_from_eight_rows_within_rounding(tiny):
     assert 0 < gap < 0.05 * np.abs(steps["f32"][1]).max(), gap
 
 
+def record_prefill_calls(engine) -> list[list[int]]:
+    """Wraps the engine's prefill_many: the prompt lengths of each call, in order."""
+    calls: list[list[int]] = []
+    real = engine.prefill_many
+
+    def recording(prompts, *a, **kw):
+        calls.append([len(p) for p in prompts])
+        return real(prompts, *a, **kw)
+
+    engine.prefill_many = recording
+    return calls
+
+
 def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
     # A burst of requests: the prefill thread takes what is waiting in one call (within the largest
     # bucket) and every request still gets exactly its reference tokens.
@@ -673,16 +686,8 @@ def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
     s = vSurge.create_vdriver(
         model, tok, max_concurrent_decodes=4, prefill_lengths=BUCKETS, max_length=MAX_LEN
     )
-    engine = s.driver.engines[0]
-    sizes: list[int] = []
-    real = engine.prefill_many
-
-    def counting(prompts, *a, **kw):
-        sizes.append(len(prompts))
-        return real(prompts, *a, **kw)
-
     s.compile()
-    engine.prefill_many = counting
+    calls = record_prefill_calls(s.driver.engines[0])
     rng = np.random.RandomState(3)
     prompts = [list(rng.randint(3, 300, size=n)) for n in rng.randint(2, 30, size=10)]
     want = [greedy_generate(model, [p], 6)[0] for p in prompts]
@@ -694,6 +699,7 @@ def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
     finally:
         s.stop()
     assert got == want
+    sizes = [len(c) for c in calls]
     assert sum(sizes) == len(prompts) and max(sizes) > 1, sizes
     assert s.driver.num_used_slots == 0
 
@@ -755,19 +761,6 @@ def test_driver_prefills_a_queue_in_full_rows(tiny):
     for c in calls:
         assert rows_needed(c, 32) == engine.pack_rows_for(c), c  # whole rows, no padded row
     assert s.driver.num_used_slots == 0
-
-
-def record_prefill_calls(engine) -> list[list[int]]:
-    """Wraps the engine's prefill_many: the prompt lengths of each call, in order."""
-    calls: list[list[int]] = []
-    real = engine.prefill_many
-
-    def recording(prompts, *a, **kw):
-        calls.append([len(p) for p in prompts])
-        return real(prompts, *a, **kw)
-
-    engine.prefill_many = recording
-    return calls
 
 
 def test_prefill_lingers_for_a_burst_then_not(tiny, monkeypatch):
