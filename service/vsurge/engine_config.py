@@ -290,7 +290,9 @@ class EngineConfig:
     )
     max_num_batched_tokens: int | None = knob(
         None,
-        "odriver: tokens one device step runs: one per decoding sequence, the rest prefill chunks",
+        "tokens one device step runs: one per decoding sequence, the rest prefill chunks (odriver always; "
+        "vdriver when set: prompts are then prefilled inside the decode steps instead of on the prefill "
+        "thread)",
         check=at_least(1),
         serve=True,
         text=parse_int,

@@ -2,6 +2,7 @@
 
     prefill thread --PrefilledPack--> transfer thread --Prefilled--> generate thread    (vDriver)
                                       transfer thread --FirstToken--> detokenize thread (vDriver)
+    prefill thread --Arrived--> generate thread        (vDriver with mixed steps: prefilled in the steps)
     prefill thread --Prepared--> generate thread                                       (oDriver)
     generate thread --FirstToken | Step | Abort | Preempt | STOP--> detokenize thread
 
@@ -35,6 +36,13 @@ class Prefilled:
     prefix: Any
     index: int  # its entry in `prefix`
     firsts: list[Any] | None = None  # each sample's first token, already streamed (None: sampled at insert)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrived:
+    """A request whose prompt the decode steps prefill in place, chunk by chunk (vDriver's mixed steps)."""
+
+    req: ActiveRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +89,7 @@ def requests_of(item: Any) -> list[ActiveRequest]:
         return [item]
     if isinstance(item, PrefilledPack):
         return list(item.batch)
-    if isinstance(item, Prefilled | Prepared | Abort):
+    if isinstance(item, Arrived | Prefilled | Prepared | Abort):
         return [item.req]
     if isinstance(item, FirstToken | Preempt):
         owner = item.owner if isinstance(item, FirstToken) else item.seq

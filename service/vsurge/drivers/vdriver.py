@@ -35,7 +35,8 @@ from ..engines.speculative import worth_verifying
 from ..engines.vengine import vEngine
 from ..structured.slots import SlotGrammars
 from .active_request import ActiveRequest
-from .lanes import Abort, FirstToken, Prefilled, PrefilledPack
+from .inplace_prefill import InPlacePrefill, prefilled_in_step
+from .lanes import Abort, Arrived, FirstToken, Prefilled, PrefilledPack
 from .metrics import DriverMetrics
 from .ngram_drafts import NgramDrafts
 from .pipeline import Lane, Pipeline, StepLoop, drain
@@ -96,6 +97,7 @@ class DenseSlots:
         )
         # constrained requests wait here until the engine's structured programs are compiled
         self.held: collections.deque[Prefilled] = collections.deque()
+        self._loop: Any = None  # the step thread's StepLoop, set by plan()
         self._warming: threading.Thread | None = None
         # n-gram speculation (speculative="ngram"): every slot's tokens on the host, for the proposer
         spec = engine.speculator
@@ -104,6 +106,18 @@ class DenseSlots:
             if spec is not None
             else None
         )
+        # max_num_batched_tokens set: prompts prefilled inside the decode steps (inplace_prefill.py)
+        self.inplace = InPlacePrefill(self) if engine.mixed is not None else None
+
+    @staticmethod
+    def owner_of(req: ActiveRequest, index: int, slot: int) -> SlotOwner:
+        return SlotOwner(req, index, slot)
+
+    def _receive(self, item: Any) -> None:
+        if isinstance(item, Arrived):
+            self.inplace.arrived.append(item.req)
+        else:
+            self.waiting.append(item)
 
     @property
     def used(self) -> int:
@@ -124,16 +138,20 @@ class DenseSlots:
         return self.engine.init_decode_state()
 
     def plan(self, state: Any, loop: StepLoop) -> tuple[Any, bool]:
+        self._loop = loop
         self._drop_ended(loop)
-        self.waiting.extend(drain(self.lane.backlog))
+        for item in drain(self.lane.backlog):
+            self._receive(item)
         self._hold_structured(loop)
         state = self._insert_waiting(state, loop)
+        if self.inplace is not None:
+            self.inplace.admit(loop)
         # decode never waits for prompts on their way: they join the batch at the next step they are ready
-        if all(o is None for o in self.owners):
+        if all(o is None for o in self.owners) and not self.inplace:
             self.driver._may_prefill.set()
             loop.flush()
             try:
-                self.waiting.append(self.lane.backlog.get(timeout=0.05))
+                self._receive(self.lane.backlog.get(timeout=0.05))
             except queue.Empty:
                 pass
             return state, False
@@ -142,6 +160,12 @@ class DenseSlots:
     def step(self, state: Any) -> tuple[Any, Any, list[SlotOwner | None]]:
         self.last_step = time.monotonic()
         owners = list(self.owners)  # the step's rows, as the detokenizer will account them
+        if self.inplace and not self.grammars:  # prompts being prefilled: a mixed step
+            state, out, seats = self.inplace.step(state)
+            if self.drafts is not None:
+                self.drafts.advance(np.asarray(out.tokens))
+            self._dispatched(1)
+            return self.inplace.seat(state, self._loop, *seats), out, owners
         if self.drafts is None:
             state, out = self._decode(state)
             self._dispatched(1)
@@ -199,6 +223,8 @@ class DenseSlots:
         self.driver._may_prefill.set()
 
     def lose_state(self, reason: str) -> Any:
+        if self.inplace is not None:
+            self.inplace.end(lambda req: self.pipeline.fail(req, reason))
         for slot, owner in enumerate(self.owners):
             if owner is not None:
                 self.pipeline.fail(owner.req, reason)
@@ -206,6 +232,8 @@ class DenseSlots:
         return self.engine.init_decode_state()
 
     def stopped(self) -> None:
+        if self.inplace is not None:
+            self.inplace.end(lambda req: self.pipeline.finish(req, "abort"))
         for req in {id(o.req): o.req for o in self.owners if o is not None}.values():
             if not req.done:
                 self.pipeline.finish(req, "abort")
@@ -214,6 +242,8 @@ class DenseSlots:
         """After the threads stopped: nothing waits for a slot and no slot is held."""
         self.waiting.extend(self.held)
         self.held.clear()
+        if self.inplace is not None:
+            self.inplace.end(lambda req: self.pipeline.finish(req, "abort"))
         while self.waiting:
             self.pipeline.finish(self.waiting.popleft().req, "abort")
         for slot, owner in enumerate(self.owners):
@@ -223,6 +253,8 @@ class DenseSlots:
     # ------------------------------------------------------------------ planning
     def _drop_ended(self, loop: StepLoop) -> None:
         """Free the slots the detokenizer saw finish, and every slot of a cancelled request."""
+        if self.inplace is not None:
+            self.inplace.drop_cancelled(loop)
         for owner in drain(self.lane.release):
             if owner.slot is None:  # finished on its early first token: free the slot it may have got since
                 for slot, o in enumerate(self.owners):
@@ -349,6 +381,8 @@ class vDriver:  # noqa: N801 - the seed's name
         ]
         self._may_prefill = threading.Event()  # interleaved mode: set by the step thread once per step
         self._speculative = any(e.speculator is not None for e in self._decode_engines)
+        # max_num_batched_tokens set: the decode steps prefill prompts in place (inplace_prefill.py)
+        self._mixed = all(e.mixed is not None for e in self._decode_engines)
 
     # ------------------------------------------------------------------ seed API
     @property
@@ -390,7 +424,10 @@ class vDriver:  # noqa: N801 - the seed's name
         used = self.num_used_slots
         total = self.get_total_concurrent_requests()
         m = self.pipeline.metrics
-        backlog = sum(s.lane.backlog.qsize() + len(s.waiting) for s in self._slots)
+        backlog = sum(
+            s.lane.backlog.qsize() + len(s.waiting) + (len(s.inplace.arrived) if s.inplace else 0)
+            for s in self._slots
+        )
         # the transfer queue holds packs, not requests, and a prefill thread holds some in its hands: the
         # pipeline count is exact for everything before the lanes
         waiting = self.pipeline.in_pipeline + backlog
@@ -498,6 +535,9 @@ class vDriver:  # noqa: N801 - the seed's name
         return batch
 
     def _prefill_loop(self, engine: vEngine) -> None:
+        if self._mixed:
+            self._feed_loop(engine)
+            return
         carry: collections.deque[ActiveRequest] = collections.deque()
         batch: list[ActiveRequest] = []
         while self.pipeline.live:
@@ -510,6 +550,28 @@ class vDriver:  # noqa: N801 - the seed's name
             batch = []
         for req in batch + list(carry):
             self.pipeline.finish(req, "abort")
+
+    def _feed_loop(self, engine: vEngine) -> None:
+        """Mixed steps: a prompt the decode steps prefill in place goes straight to the lane with the most
+        room; the others (prefilled_in_step False) are prefilled here, one per call."""
+        p = self.pipeline
+        while p.live:
+            try:
+                req = p.prefill_q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if not self._admit_prefill(engine, req):
+                continue
+            if not prefilled_in_step(req):
+                if not self._prefill_batch(engine, [req]):
+                    p.finish(req, "abort")
+                    return
+                continue
+            dest = max(self._slots, key=lambda s: len(s.free) - s.lane.backlog.qsize())
+            if p.put(dest.lane.backlog, Arrived(req)):
+                p.left_pipeline(req)
+            else:
+                p.finish(req, "abort")
 
     def _prefill_batch(self, engine: vEngine, batch: list[ActiveRequest]) -> bool:
         """Prefill one pack and hand it to the transfer thread; False when stopping (the batch is not

@@ -31,7 +31,9 @@ from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, 
 from ..models.sharding import kv_cache_sharding
 from ..sampling_params import SamplingParams
 from .chunked_prefill import ChunkedPrefill
+from .dense_mixed import DenseMixedStep
 from .engine_base import EngineBase, constrain, sample_step
+from .oengine import resolve_token_budget
 from .prefill_rows import first_fit, row_counts, rows_needed
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
@@ -285,6 +287,14 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             SpeculativeVerifier(self, config.num_speculative_tokens)
             if config.speculative == "ngram"
             else None
+        )
+        # max_num_batched_tokens set: prompts are prefilled in place, chunk by chunk, inside the decode
+        # steps (dense_mixed.py) instead of on the driver's prefill thread
+        budget = config.max_num_batched_tokens
+        self.mixed = (
+            None
+            if budget is None
+            else DenseMixedStep(self, resolve_token_budget(budget, self.max_concurrent_decodes))
         )
         self.compiled = False
 
@@ -565,6 +575,10 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         ks[:n] = keys
         return self._firsts(self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, js, ks)
 
+    def make_sampling_row(self, params: SamplingParams | None, stop_ids: Sequence[int]) -> SlotSampling:
+        """One request's sampler row (host arrays), as a prefill builds it: for `DenseMixedStep.seat`."""
+        return make_slot_sampling([params], stop_ids=[list(stop_ids)[:DEFAULT_MAX_STOP_IDS]])
+
     def entry_keys(self, prefix: Prefix) -> np.ndarray:
         """u32[K, 2]: each entry's own sampling key, on the host."""
         return np.asarray(prefix.sampling.key, np.uint32)
@@ -668,6 +682,8 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         jobs += self.chunked.jobs()
         if self.speculator is not None:
             jobs += self.speculator.jobs(state)
+        if self.mixed is not None:
+            jobs += self.mixed.jobs(state)
 
         def build(job):
             name, fn, args = job
@@ -692,6 +708,8 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         for r, fn in self._decode.items():
             state, out = fn(self.step_params(r), state, np.ones(r, np.int32))
         jax.block_until_ready(out)
+        if self.mixed is not None:
+            state = self.mixed.warm(state)
         if self.speculator is not None:
             state = self.speculator.warm(state)
             ratios = ", ".join(f"{r} rows {x:.2f}x" for r, x in self.speculator.cost_ratio.items())

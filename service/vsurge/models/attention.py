@@ -8,6 +8,7 @@ q [B, T, H, D], k and v [B, T, KVH, D]; ``cache`` and ``meta`` are the backend's
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,54 @@ class ChunkAttention:
 READ_GROUP = 8
 
 
+def read_rows(qj, pj, rows, need, kc, vc, *, window: int | None, chunk: int, size: int | None = None):
+    """Attention of T queries per row against the first ``need[i]`` cache positions of one row each: the
+    first R slots (``rows`` None) or the slots ``rows`` i32[R] (gathered). qj f32[R, T, KVH, G, D] (scaled),
+    pj i32[R, T] the queries' positions. The cache is read in chunks with an online softmax, the loop's
+    trip count (the longest ``need``) computed on the device. Returns f32[R, T, KVH, G, D]."""
+    r, t, kvh, g, d = qj.shape
+    n = kc.shape[1] if size is None else min(size, kc.shape[1])
+    c = min(chunk, n)
+    most = -(-n // c)
+
+    def body(i, carry):
+        m, denom, acc = carry
+        # the last chunk is shifted back to fit in n; positions an earlier chunk covered are masked
+        start = jnp.minimum(i * c, n - c)
+        if rows is None:
+            ks = kv_load(jax.lax.dynamic_slice_in_dim(kc[:r], start, c, axis=1))
+            vs = kv_load(jax.lax.dynamic_slice_in_dim(vc[:r], start, c, axis=1))
+        else:
+            cols = start + jnp.arange(c)
+            ks = kv_load(kc[rows[:, None], cols[None, :]])
+            vs = kv_load(vc[rows[:, None], cols[None, :]])
+        k_pos = start + jnp.arange(c)[None, None, :]
+        ok = _allowed(pj[:, :, None], k_pos, window) & (k_pos >= i * c) & (k_pos < need[:, None, None])
+        if t == 1:  # decode: XLA:CPU runs these 4-d contractions ~20% faster than with a unit T axis
+            scores = jnp.einsum("skgd,snkd->skgn", qj[:, 0], ks)[:, None]
+        else:
+            scores = jnp.einsum("stkgd,snkd->stkgn", qj, ks)
+        scores = jnp.where(ok[:, :, None, None, :], scores, _NEG)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.where(ok[:, :, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        if t == 1:
+            pv = jnp.einsum("skgn,snkd->skgd", p[:, 0], vs)[:, None]
+        else:
+            pv = jnp.einsum("stkgn,snkd->stkgd", p, vs)
+        acc = acc * scale[..., None] + pv
+        return m_new, denom * scale + p.sum(-1), acc
+
+    trips = jnp.clip((jnp.max(need) + c - 1) // c, 0, most)
+    init = (
+        jnp.full((r, t, kvh, g), _NEG, jnp.float32),
+        jnp.zeros((r, t, kvh, g), jnp.float32),
+        jnp.zeros((r, t, kvh, g, d), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
+    return acc / jnp.maximum(denom, 1e-30)[..., None]
+
+
 def read_dense_rows(qg, kc, vc, q_pos, lengths, *, window: int | None, chunk: int, size: int | None = None):
     """Attention of T queries per row against the first ``lengths[s]`` positions of row s's cache.
 
@@ -119,51 +168,8 @@ def read_dense_rows(qg, kc, vc, q_pos, lengths, *, window: int | None, chunk: in
     an online softmax, each loop's trip count computed on the device. With more than READ_GROUP rows, the
     rows are sorted by length and, when that skips enough, read in groups of READ_GROUP, each loop stopping
     after its group's longest row. Returns f32[S, T, KVH, G, D]."""
-    s, t, kvh, g, d = qg.shape
-    n = kc.shape[1] if size is None else min(size, kc.shape[1])
-    c = min(chunk, n)
-    most = -(-n // c)
-
-    def read(qj, pj, rows, need):
-        # rows: None (the first S slots, sliced) or i32[R] slot indices (gathered)
-        r = qj.shape[0]
-
-        def body(i, carry):
-            m, denom, acc = carry
-            # the last chunk is shifted back to fit in n; positions an earlier chunk covered are masked
-            start = jnp.minimum(i * c, n - c)
-            if rows is None:
-                ks = kv_load(jax.lax.dynamic_slice_in_dim(kc[:s], start, c, axis=1))
-                vs = kv_load(jax.lax.dynamic_slice_in_dim(vc[:s], start, c, axis=1))
-            else:
-                cols = start + jnp.arange(c)
-                ks = kv_load(kc[rows[:, None], cols[None, :]])
-                vs = kv_load(vc[rows[:, None], cols[None, :]])
-            k_pos = start + jnp.arange(c)[None, None, :]
-            ok = _allowed(pj[:, :, None], k_pos, window) & (k_pos >= i * c) & (k_pos < need[:, None, None])
-            if t == 1:  # decode: XLA:CPU runs these 4-d contractions ~20% faster than with a unit T axis
-                scores = jnp.einsum("skgd,snkd->skgn", qj[:, 0], ks)[:, None]
-            else:
-                scores = jnp.einsum("stkgd,snkd->stkgn", qj, ks)
-            scores = jnp.where(ok[:, :, None, None, :], scores, _NEG)
-            m_new = jnp.maximum(m, scores.max(-1))
-            p = jnp.where(ok[:, :, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
-            scale = jnp.exp(m - m_new)
-            if t == 1:
-                pv = jnp.einsum("skgn,snkd->skgd", p[:, 0], vs)[:, None]
-            else:
-                pv = jnp.einsum("stkgn,snkd->stkgd", p, vs)
-            acc = acc * scale[..., None] + pv
-            return m_new, denom * scale + p.sum(-1), acc
-
-        trips = jnp.clip((jnp.max(need) + c - 1) // c, 0, most)
-        init = (
-            jnp.full((r, t, kvh, g), _NEG, jnp.float32),
-            jnp.zeros((r, t, kvh, g), jnp.float32),
-            jnp.zeros((r, t, kvh, g, d), jnp.float32),
-        )
-        _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
-        return acc / jnp.maximum(denom, 1e-30)[..., None]
+    s = qg.shape[0]
+    read = partial(read_rows, kc=kc, vc=vc, window=window, chunk=chunk, size=size)
 
     if s <= READ_GROUP:
         return read(qg, q_pos, None, lengths)
@@ -222,3 +228,52 @@ class DenseDecodeAttention:
             qg, kc, vc, positions[:, None], need, window=self.window, chunk=self.chunk, size=n
         )
         return out.reshape(s, 1, h, d).astype(q.dtype), (kc, vc)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMixedAttention:
+    """A decode step's rows and prompts' chunks in one forward, against the dense cache K, V [S, M, KVH, D]
+    (vEngine's mixed step, engines/dense_mixed.py).
+
+    q [1, R + K*C, H, D]: first the next token of each of the first R slots (as `DenseDecodeAttention`),
+    then K chunks of C tokens, chunk k for slot ``slots[k]`` at positions ``starts[k]`` onwards, of which
+    the first ``counts[k]`` are real (0: an unused chunk). meta: (positions [R], lengths [R], slots [K],
+    starts [K], counts [K]); lengths[r] is how much of row r the step reads (0: an idle row, whose K/V is
+    not written either: its stale position may lie inside a prompt being prefilled). A chunk's K/V goes to
+    its slot's row, then its queries read that row up to their own positions (earlier chunks and this one).
+    """
+
+    rows: int
+    window: int | None = None
+    chunk: int = 128
+
+    def __call__(self, q, k, v, cache, meta):
+        positions, lengths, slots, starts, counts = meta
+        kc, vc = cache
+        r = self.rows
+        _, t, h, d = q.shape
+        kvh = k.shape[2]
+        g = h // kvh
+        m = kc.shape[1]
+        seqs = starts.shape[0]
+        c = (t - r) // seqs
+        at = jnp.where(lengths > 0, positions, m)  # m: dropped
+        kc = kc.at[jnp.arange(r), at].set(kv_store(k[0, :r], kc.dtype), mode="drop")
+        vc = vc.at[jnp.arange(r), at].set(kv_store(v[0, :r], vc.dtype), mode="drop")
+        i = jnp.arange(c)
+        c_pos = starts[:, None] + i[None, :]  # [K, C]
+        c_at = jnp.where(i[None, :] < counts[:, None], c_pos, m)
+        ck = kv_store(k[0, r:].reshape(seqs, c, kvh, d), kc.dtype)
+        cv = kv_store(v[0, r:].reshape(seqs, c, kvh, d), vc.dtype)
+        kc = kc.at[slots[:, None], c_at].set(ck, mode="drop")
+        vc = vc.at[slots[:, None], c_at].set(cv, mode="drop")
+        scale = jnp.sqrt(jnp.float32(d))
+        qd = q[0, :r].reshape(r, 1, kvh, g, d).astype(jnp.float32) / scale
+        out_d = read_dense_rows(
+            qd, kc, vc, positions[:, None], jnp.minimum(lengths, m), window=self.window, chunk=self.chunk
+        )
+        qc = q[0, r:].reshape(seqs, c, kvh, g, d).astype(jnp.float32) / scale
+        need = jnp.where(counts > 0, jnp.minimum(starts + counts, m), 0)
+        out_c = read_rows(qc, c_pos, slots, need, kc, vc, window=self.window, chunk=self.chunk)
+        out = jnp.concatenate([out_d.reshape(r, h, d), out_c.reshape(seqs * c, h, d)])
+        return out[None].astype(q.dtype), (kc, vc)
