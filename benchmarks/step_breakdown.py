@@ -4,6 +4,7 @@
     python benchmarks/step_breakdown.py --speculative ngram      # the same with n-gram speculation
     python benchmarks/step_breakdown.py --kv-cache-dtype bfloat16 --prefill-dtype bfloat16
     python benchmarks/step_breakdown.py --preset quote-32 --json
+    python benchmarks/step_breakdown.py --max-num-batched-tokens 256   # prompts prefilled in the steps
 
 The workload of `benchmarks/serving.py --preset P` runs through `vSurge.complete` on one asyncio loop (no
 HTTP: the server's own share is in `benchmarks/host_overhead.py`). Every thread's CPU time is read from
@@ -89,6 +90,17 @@ class StepCounter:
             return verify(state, draft, num)
 
         engine.decode, engine.verify = counted_decode, counted_verify
+        if engine.mixed is not None:  # --max-num-batched-tokens: the mixed steps decode too
+            mixed_step = engine.mixed.step
+
+            def counted_mixed(state, chunks, shape):
+                self.steps += 1
+                self.rows += int(engine._active.sum())
+                live = np.flatnonzero(engine._active)
+                self.limits.append(int(engine._pos[live].max()) + 1 if live.size else 1)
+                return mixed_step(state, chunks, shape)
+
+            engine.mixed.step = counted_mixed
 
 
 def alone(engine: Any, rows: int, limit: int, reps: int = 5) -> float:
@@ -131,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"])
     p.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16"])
     p.add_argument("--decode-dtype", default="auto", choices=["auto", "bfloat16"])
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="prompts prefilled inside the decode steps"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -149,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.max_length:
         kw["max_length"] = args.max_length
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     surge = vSurge.create_vdriver(model, processor, vsurge_name="bench", **kw)
     surge.compile()
     engine = surge.driver._decode_engines[0]

@@ -639,7 +639,8 @@ def test_bfloat16_decode_runs_from_eight_rows_within_rounding(tiny):
     # decode_dtype=bfloat16: decode steps of BF16_DECODE_MIN_ROWS rows or more run on the bfloat16 copy,
     # smaller ones on the float32 weights (XLA:CPU's bfloat16 matrix-vector path is slow). One live row:
     # the same logits as a float32 engine; a row in slot 7 (the 8-row step): close, not equal.
-    from vsurge.engines.vengine import BF16_DECODE_MIN_ROWS, vEngine
+    from vsurge.engines.bf16_weights import BF16_DECODE_MIN_ROWS
+    from vsurge.engines.vengine import vEngine
 
     model, tok = tiny
     kw = dict(max_concurrent_decodes=8, prefill_lengths=[64], max_length=MAX_LEN)

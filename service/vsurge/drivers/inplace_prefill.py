@@ -74,6 +74,10 @@ class InPlacePrefill:
             self.prefilling.append(Prefilling(req, slot, row))
 
     def drop_cancelled(self, loop: StepLoop) -> None:
+        """End the cancelled requests, waiting for a slot or being written (their slots come back)."""
+        for req in [r for r in self.arrived if r.cancelled]:
+            self.arrived.remove(req)
+            loop.send(Abort(req))
         keep = []
         for p in self.prefilling:
             if p.req.cancelled:

@@ -30,6 +30,7 @@ from ..engine_config import EngineConfig
 from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, kv_store
 from ..models.sharding import kv_cache_sharding
 from ..sampling_params import SamplingParams
+from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
 from .dense_mixed import DenseMixedStep
 from .engine_base import EngineBase, constrain, sample_step
@@ -45,10 +46,6 @@ from .sampling import (
     sharded_sampling,
 )
 from .spec_verify import SpeculativeVerifier, VerifyStep
-
-# decode_dtype=bfloat16 runs the steps of this many rows or more on the bfloat16 kernels: XLA:CPU's bfloat16
-# matmuls run ~3x faster than float32 from 8 rows up, its matrix-vector path ~4x slower (measured at 1 row)
-BF16_DECODE_MIN_ROWS = 8
 
 log = logging.getLogger(__name__)
 
@@ -234,10 +231,13 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
 
         logits_sharding = self.logits_sharding
         self._prefill = jax.jit(partial(_prefill_impl, self.graphdef))
-        self._bf16 = self._bf16_weights()
+        self._bf16 = bf16_kernels(self.params, self.model.dtype, config.prefill_dtype, config.decode_dtype)
         self.prefill_params = self._bf16 if self._wants_bf16("prefill_dtype") else self.params
         # per row bucket: the weights its decode (and verify) step runs on (decode_dtype)
-        self._step_params = {rows: self._decode_weights(rows) for rows in self.decode_rows}
+        self._step_params = {
+            rows: decode_weights(self.params, self._bf16, config.decode_dtype, rows)
+            for rows in self.decode_rows
+        }
         self._first = jax.jit(
             partial(_first_impl, self.graphdef, num_top=num_top_logprobs, logits_sharding=logits_sharding)
         )
@@ -301,31 +301,6 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
     # ------------------------------------------------------------------ state
     def _wants_bf16(self, knob: str) -> bool:
         return getattr(self.engine_config, knob) == "bfloat16" and self._bf16 is not None
-
-    def _bf16_weights(self) -> Any:
-        """The weights with a bfloat16 copy of every float32 matmul kernel (the layers', an untied head's),
-        or None when no knob asks for one or the model is not float32. Everything else stays float32: norms,
-        the embedding table (a tied head's transposed bfloat16 dot is slower than float32 on XLA:CPU:
-        measured 151 -> 227 ms per 32-row step), activations and the residual stream; Linear casts its
-        input to the kernel's dtype and accumulates in float32. Packed prefill runs ~1.7x faster than on
-        float32 weights (and ~8% faster than with bfloat16 activations). Built once and shared by packed
-        and chunked prefill (prefill_dtype) and decode (decode_dtype)."""
-        cfg = self.engine_config
-        if self.model.dtype != jnp.float32 or "bfloat16" not in (cfg.prefill_dtype, cfg.decode_dtype):
-            return None
-
-        def narrow(path: Any, a: Any) -> Any:
-            kernel = any(getattr(k, "key", None) == "kernel" for k in path)
-            return a.astype(jnp.bfloat16) if kernel and a.dtype == jnp.float32 else a
-
-        return jax.tree_util.tree_map_with_path(narrow, self.params)
-
-    def _decode_weights(self, rows: int) -> Any:
-        """The weights a decode step of ``rows`` rows runs on: decode_dtype=bfloat16 takes the bfloat16
-        copy from BF16_DECODE_MIN_ROWS rows up, the model's weights below."""
-        return (
-            self._bf16 if self._wants_bf16("decode_dtype") and rows >= BF16_DECODE_MIN_ROWS else self.params
-        )
 
     def step_params(self, rows: int) -> Any:
         """The weights of the decode / verify / forward step of bucket ``rows``."""
