@@ -17,5 +17,14 @@ def tiny_checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoint):
+    """(model, tokenizer) of the tiny Llama (8 heads, 4 kv heads) most engine and driver tests run."""
+    import vsurge
+
+    path, _ = tiny_checkpoint("llama", heads=8, kv_heads=4)
+    return vsurge.load_model(path)
+
+
 # Real S3 / GCS / Hub servers on loopback for the model-source tests (tests/service/test_sources_*.py).
 from sources_servers import gcs, gcs_server, hub, moto_server, s3, sharded_ckpt  # noqa: E402, F401

@@ -19,7 +19,6 @@ import time
 import numpy as np
 import pytest
 
-import vsurge
 from vsurge.engines.dense_mixed import Chunk, plan_chunks, step_shapes
 from vsurge.models import greedy_generate
 from vsurge.request import vSurgeRequest
@@ -32,9 +31,8 @@ BUDGET = 40  # small, so prompts of the tests span several steps
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint):
-    path, _ = tiny_checkpoint("llama", heads=8, kv_heads=4)
-    return vsurge.load_model(path)
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -327,9 +327,8 @@ class oDriver:  # noqa: N801 - the seed's name
     def _prepare_loop(self) -> None:
         p = self.pipeline
         while p.live:
-            try:
-                req = p.prefill_q.get(timeout=0.1)
-            except queue.Empty:
+            req = p.next_request()
+            if req is None:
                 continue
             if req.cancelled:
                 p.finish(req, "abort")

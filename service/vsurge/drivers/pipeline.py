@@ -191,6 +191,14 @@ class Pipeline:
             ) from None
         self.metrics.request_started(request)
 
+    def next_request(self, timeout: float = 0.1) -> ActiveRequest | None:
+        """The next request of the prefill queue, or None after ``timeout`` seconds without one (a feeder
+        thread's loop checks ``live`` in between)."""
+        try:
+            return self.prefill_q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
     def left_pipeline(self, req: ActiveRequest) -> None:
         """The request reached a lane or ended: it no longer counts as on its way (once per request)."""
         with self._lock:

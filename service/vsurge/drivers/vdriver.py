@@ -556,11 +556,8 @@ class vDriver:  # noqa: N801 - the seed's name
         room; the others (prefilled_in_step False) are prefilled here, one per call."""
         p = self.pipeline
         while p.live:
-            try:
-                req = p.prefill_q.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if not self._admit_prefill(engine, req):
+            req = p.next_request()
+            if req is None or not self._admit_prefill(engine, req):
                 continue
             if not prefilled_in_step(req):
                 if not self._prefill_batch(engine, [req]):
