@@ -272,6 +272,7 @@ def test_cancel_while_prefilling_in_the_steps_frees_the_slot(tiny):
         s.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw",
     [{}, {"prefill_dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "decode_dtype": "bfloat16"}],
@@ -286,6 +287,7 @@ def test_no_compilation_on_live_requests_with_mixed_steps(tiny, kw):
     assert not compiled, compiled
 
 
+@pytest.mark.slow
 def test_speculation_with_mixed_steps_stays_exact_for_greedy(tiny):
     # repeated text, so drafts are proposed and verified between the mixed steps
     model, _ = tiny
