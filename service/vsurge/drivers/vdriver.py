@@ -11,6 +11,10 @@ is batched, while a lone prompt goes at once; the transfer thread moves the pref
 devices and streams each request's first token (sampled there, so it waits neither for the step in flight
 nor for a free slot). Each decode engine's step thread holds its slots (plain integers, ``DenseSlots``),
 inserts prefilled requests into free slots and runs the decode steps.
+
+With ``max_num_batched_tokens`` set, the prefill thread only forwards prompts (`Arrived`) and the decode
+steps prefill them in place, chunk by chunk, beside the decoding rows (inplace_prefill.py); requests with
+n > 1, prompt logprobs or a grammar still take the prefill path above.
 """
 
 from __future__ import annotations
@@ -425,7 +429,7 @@ class vDriver:  # noqa: N801 - the seed's name
         total = self.get_total_concurrent_requests()
         m = self.pipeline.metrics
         backlog = sum(
-            s.lane.backlog.qsize() + len(s.waiting) + (len(s.inplace.arrived) if s.inplace else 0)
+            s.lane.backlog.qsize() + len(s.waiting) + (len(s.inplace.arrived) if s.inplace is not None else 0)
             for s in self._slots
         )
         # the transfer queue holds packs, not requests, and a prefill thread holds some in its hands: the
