@@ -18,7 +18,6 @@ of overwriting a prompt position; `seat` sets the real position.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -29,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from ..models.attention import DenseMixedAttention
-from .engine_base import constrain, sample_step
-from .sampling import SampleResult, SlotSampling, sample, set_slot, sharded_sampling
+from .engine_base import constrain, sample_first_token, sample_step, start_slot
+from .sampling import SampleResult, SlotSampling
 
 SEQS = 4  # chunks a step of the many-chunk shape carries (oEngine's STEP_SEQS)
 
@@ -124,21 +123,16 @@ def _seat_impl(
     """Sample the first token of the prompt whose last chunk was chunk ``j`` (hidden [K, hidden]) and make
     ``slot`` decode it: what vEngine's insert does, less the KV copy (the row was written in place)."""
     model = nnx.merge(graphdef, params)
-    logits = model.compute_logits(hidden[j][None])
-    if logits_sharding is not None:
-        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     row = SlotSampling(*sampling)._replace(key=key[None])
-    ctx = sharded_sampling() if logits_sharding is not None else contextlib.nullcontext()
-    with ctx:
-        out = sample(logits, row, None, state.prompt_mask[slot][None], jnp.zeros((1,), jnp.int32), num_top)
-    first = out.tokens[0]
-    new = state._replace(
-        tokens=state.tokens.at[slot].set(first),
-        positions=state.positions.at[slot].set(length),
-        steps=state.steps.at[slot].set(1),
-        counts=state.counts.at[slot].set(0).at[slot, first].add(1),
-        sampling=set_slot(state.sampling, slot, row),
+    out = sample_first_token(
+        model,
+        hidden[j][None],
+        row,
+        state.prompt_mask[slot][None],
+        num_top=num_top,
+        logits_sharding=logits_sharding,
     )
+    new = start_slot(state, slot, out.tokens[0], length, row)
     return constrain(new, shardings), out
 
 

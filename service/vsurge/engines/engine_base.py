@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ..engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
 from ..models.sharding import place_params
 from .chunked_prefill import ChunkedPrefill
-from .sampling import SlotSampling, sample, sharded_sampling
+from .sampling import SlotSampling, sample, set_slot, sharded_sampling
 
 
 def plan_lengths(
@@ -68,6 +68,30 @@ def sampling_context(shardings: Any) -> contextlib.AbstractContextManager:
 
 def constrain(state: Any, shardings: Any) -> Any:
     return state if shardings is None else jax.lax.with_sharding_constraint(state, shardings)
+
+
+def sample_first_token(model, hidden, row, prompt_mask, *, num_top: int, logits_sharding, token_mask=None):
+    """A prompt's first token from its last hidden state [1, hidden]: row is its one-row SlotSampling,
+    prompt_mask bool[1, V]; ``token_mask`` (i32[1, ceil(V/32)]) a structured request's first allowed tokens."""
+    logits = model.compute_logits(hidden)
+    if logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    with sharded_sampling() if logits_sharding is not None else contextlib.nullcontext():
+        return sample(
+            logits, row, None, prompt_mask, jnp.zeros((1,), jnp.int32), num_top, token_mask=token_mask
+        )
+
+
+def start_slot(state: Any, slot, first_token, length, row: SlotSampling) -> Any:
+    """A dense slot starts decoding its prompt: the first token, its position, the step counter, the
+    penalty counts and its sampler row (the KV and the prompt mask are the caller's)."""
+    return state._replace(
+        tokens=state.tokens.at[slot].set(first_token),
+        positions=state.positions.at[slot].set(length),
+        steps=state.steps.at[slot].set(1),
+        counts=state.counts.at[slot].set(0).at[slot, first_token].add(1),
+        sampling=set_slot(state.sampling, slot, row),
+    )
 
 
 def sample_step(

@@ -33,7 +33,7 @@ from ..sampling_params import SamplingParams
 from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
 from .dense_mixed import DenseMixedStep
-from .engine_base import EngineBase, constrain, sample_step
+from .engine_base import EngineBase, constrain, sample_first_token, sample_step, start_slot
 from .oengine import resolve_token_budget
 from .prefill_rows import first_fit, row_counts, rows_needed
 from .sampling import (
@@ -42,7 +42,6 @@ from .sampling import (
     SlotSampling,
     make_slot_sampling,
     sample,
-    set_slot,
     sharded_sampling,
 )
 from .spec_verify import SpeculativeVerifier, VerifyStep
@@ -123,19 +122,15 @@ def _first_impl(
     """Sample entry j's first token from its last hidden state (one program for every bucket);
     ``token_mask`` (i32[1, ceil(V/32)]): a structured request's first allowed tokens."""
     model = nnx.merge(graphdef, params)
-    logits = model.compute_logits(hidden[j][None])
-    if logits_sharding is not None:
-        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    with sharded_sampling() if logits_sharding is not None else contextlib.nullcontext():
-        return sample(
-            logits,
-            _entry(rows, j, key),
-            None,
-            prompt_mask[j][None],
-            jnp.zeros((1,), jnp.int32),
-            num_top,
-            token_mask=token_mask,
-        )
+    return sample_first_token(
+        model,
+        hidden[j][None],
+        _entry(rows, j, key),
+        prompt_mask[j][None],
+        num_top=num_top,
+        logits_sharding=logits_sharding,
+        token_mask=token_mask,
+    )
 
 
 def _firsts_impl(graphdef, params, hidden, rows, prompt_mask, js, keys, *, num_top: int, logits_sharding):
@@ -168,15 +163,8 @@ def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_tok
         )
         for (kc, vc), (k, v) in zip(state.caches, prefix.kv, strict=True)
     )
-    new = GenerationState(
-        caches=caches,
-        tokens=state.tokens.at[slot].set(first_token),
-        positions=state.positions.at[slot].set(prefix.lengths[j]),
-        steps=state.steps.at[slot].set(1),
-        counts=state.counts.at[slot].set(0).at[slot, first_token].add(1),
-        prompt_mask=state.prompt_mask.at[slot].set(prefix.prompt_mask[j]),
-        sampling=set_slot(state.sampling, slot, _entry(prefix.sampling, j, key)),
-    )
+    state = state._replace(caches=caches, prompt_mask=state.prompt_mask.at[slot].set(prefix.prompt_mask[j]))
+    new = start_slot(state, slot, first_token, prefix.lengths[j], _entry(prefix.sampling, j, key))
     return constrain(new, shardings)
 
 
