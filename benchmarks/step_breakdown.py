@@ -73,13 +73,14 @@ class StepCounter:
     """Counts the engine's decode and verify steps and the rows each ran (wraps the instance's methods)."""
 
     def __init__(self, engine: Any):
-        self.steps = self.verify_steps = self.rows = 0
+        self.steps = self.verify_steps = self.rows = self.bucket_rows = 0
         self.limits: list[int] = []
         decode, verify = engine.decode, engine.verify
 
         def counted_decode(state):
             self.steps += 1
             self.rows += int(engine._active.sum())
+            self.bucket_rows += engine.decode_bucket()
             live = np.flatnonzero(engine._active)
             self.limits.append(int(engine._pos[live].max()) + 1 if live.size else 1)
             return decode(state)
@@ -87,6 +88,7 @@ class StepCounter:
         def counted_verify(state, draft, num):
             self.verify_steps += 1
             self.rows += int(engine._active.sum())
+            self.bucket_rows += engine.decode_bucket()
             return verify(state, draft, num)
 
         engine.decode, engine.verify = counted_decode, counted_verify
@@ -96,6 +98,7 @@ class StepCounter:
             def counted_mixed(state, chunks, shape):
                 self.steps += 1
                 self.rows += int(engine._active.sum())
+                self.bucket_rows += engine.decode_bucket()
                 live = np.flatnonzero(engine._active)
                 self.limits.append(int(engine._pos[live].max()) + 1 if live.size else 1)
                 return mixed_step(state, chunks, shape)
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": counter.steps,
         "verify_steps": counter.verify_steps,
         "mean_rows": round(mean_rows, 1),
+        "mean_bucket_rows": round(counter.bucket_rows / max(steps, 1), 1),
         "mean_context": mean_limit,
         "wall_ms_per_step": round(1000 * wall / max(steps, 1), 1),
         "cpu_ms_per_step": {k: round(1000 * v / max(steps, 1), 1) for k, v in sorted(cpu.items())},
@@ -236,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.preset} ({args.speculative}): {report['output_tok_s']} tok/s, {steps} steps in {wall:.1f} s"
     )
     print(
-        f"  per step: {report['wall_ms_per_step']} ms wall, {report['mean_rows']} rows, context {mean_limit}"
+        f"  per step: {report['wall_ms_per_step']} ms wall, {report['mean_rows']} rows live of "
+        f"{report['mean_bucket_rows']} run, context {mean_limit}"
     )
     for k, v in report["cpu_ms_per_step"].items():
         print(f"  {k:<12} {v:8.1f} CPU ms")

@@ -79,6 +79,13 @@ class NgramDrafts:
         self.length[slot] = 0
         self.cap[slot] = 0
 
+    def move(self, src: int, dst: int) -> None:
+        """The sample in slot ``src`` now decodes in the free slot ``dst``."""
+        n = int(self.length[src])
+        self.tokens[dst, :n] = self.tokens[src, :n]
+        self.length[dst], self.cap[dst] = n, self.cap[src]
+        self.release(src)
+
     def propose(self) -> tuple[np.ndarray, np.ndarray]:
         """Drafts for every slot: (i32[S, K] zero padded, i32[S] how many are real)."""
         drafts = np.zeros((self.tokens.shape[0], self.k), np.int32)

@@ -35,6 +35,7 @@ import numpy as np
 from ..engine_config import EngineConfig
 from ..engines.prefill_rows import first_fit
 from ..engines.sampling import SampleResult
+from ..engines.slot_moves import plan_moves
 from ..engines.speculative import worth_verifying
 from ..engines.vengine import vEngine
 from ..structured.slots import SlotGrammars
@@ -112,6 +113,7 @@ class DenseSlots:
         )
         # max_num_batched_tokens set: prompts prefilled inside the decode steps (inplace_prefill.py)
         self.inplace = InPlacePrefill(self) if engine.mixed is not None else None
+        self.moved = 0  # live slots moved down so far (_compact)
 
     @staticmethod
     def owner_of(req: ActiveRequest, index: int, slot: int) -> SlotOwner:
@@ -150,6 +152,7 @@ class DenseSlots:
         state = self._insert_waiting(state, loop)
         if self.inplace is not None:
             self.inplace.admit(loop)
+        state = self._compact(state)
         # decode never waits for prompts on their way: they join the batch at the next step they are ready
         if all(o is None for o in self.owners) and not self.inplace:
             self.driver._may_prefill.set()
@@ -260,12 +263,14 @@ class DenseSlots:
         if self.inplace is not None:
             self.inplace.drop_cancelled(loop)
         for owner in drain(self.lane.release):
-            if owner.slot is None:  # finished on its early first token: free the slot it may have got since
-                for slot, o in enumerate(self.owners):
-                    if o is not None and o.req is owner.req and o.index == owner.index:
-                        self.release(slot)
-            elif self.owners[owner.slot] is owner:
+            if owner.slot is not None and self.owners[owner.slot] is owner:
                 self.release(owner.slot)
+                continue
+            # finished on its early first token (slot None), or its slot was moved down (_compact): free
+            # the slot it holds now, if any
+            for slot, o in enumerate(self.owners):
+                if o is not None and o.req is owner.req and o.index == owner.index:
+                    self.release(slot)
         cancelled = {}
         for slot, owner in enumerate(self.owners):
             if owner is not None and owner.req.cancelled:
@@ -273,6 +278,34 @@ class DenseSlots:
                 cancelled[id(owner.req)] = owner.req
         for req in cancelled.values():
             loop.send(Abort(req))
+
+    def _compact(self, state: Any) -> Any:
+        """Move live slots down into free ones when the next step then covers a smaller row bucket
+        (slot_moves.py: a burst's last long requests sit anywhere in the slots). A slot being written in
+        place or under a grammar stays put."""
+        if len(self.free) == len(self.owners):
+            return state
+        pinned = [p.slot for p in self.inplace.prefilling] if self.inplace is not None else []
+        live = []
+        for slot, owner in enumerate(self.owners):
+            if owner is None:
+                continue
+            (pinned if slot in self.grammars else live).append(slot)
+        moves = plan_moves(live, pinned, self.free, self.engine.decode_rows)
+        if not moves:
+            return state
+        state = self.engine.move_slots(state, moves)
+        for a, b in moves:
+            owner = self.owners[a]
+            self.owners[b] = self.owner_of(owner.req, owner.index, b)
+            owner.req.samples[owner.index].slot = b
+            self.owners[a] = None
+            self.left[b], self.left[a] = self.left[a], 0
+            if self.drafts is not None:
+                self.drafts.move(a, b)
+        self.free = sorted(set(self.free) - {b for _, b in moves} | {a for a, _ in moves})
+        self.moved += len(moves)
+        return state
 
     def _hold_structured(self, loop: StepLoop) -> None:
         """Constrained requests wait in `held` while the engine compiles its structured programs (once, on

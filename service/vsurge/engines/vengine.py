@@ -44,6 +44,7 @@ from .sampling import (
     sample,
     sharded_sampling,
 )
+from .slot_moves import move_args, move_rows_program
 from .spec_verify import SpeculativeVerifier, VerifyStep
 
 log = logging.getLogger(__name__)
@@ -263,6 +264,8 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             for rows in self.decode_rows
         }
         self._sample_masked = self._samplers(self._state_shardings)
+        # live slots moved down into free ones so decode covers fewer rows (slot_moves.py)
+        self._move = move_rows_program(self._state_shardings)
         self._specs: Any = None  # (state, prefix) shapes, from compile()
         self.structured_ready = threading.Event()  # warm_structured has run
         self._zeros = None
@@ -598,6 +601,17 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         rows = logits.shape[0]
         return self._sample_masked[rows](decode_state, logits, np.ascontiguousarray(token_mask[:rows]))
 
+    def move_slots(self, state: GenerationState, moves: Sequence[tuple[int, int]]) -> GenerationState:
+        """Move each live slot ``a`` of ``moves`` [(a, b)] into the free slot ``b`` (its whole state row);
+        ``a`` is free afterwards. The driver plans them (`slot_moves.plan_moves`)."""
+        if not moves:
+            return state
+        state = self._move(state, *move_args(moves, self.max_concurrent_decodes))
+        for a, b in moves:
+            self._pos[b], self._active[b] = self._pos[a], self._active[a]
+            self.free_resource(a)
+        return state
+
     def free_resource(self, slot: int) -> bool:
         """Release a slot: it stops counting toward the decode bucket. Its row is overwritten on insert."""
         was = bool(self._active[slot])
@@ -643,6 +657,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             for r, fn in self._decode.items()
         ]
         jobs += self.chunked.jobs()
+        jobs.append(("move slots", self._move, (state, *move_args([], self.max_concurrent_decodes))))
         if self.speculator is not None:
             jobs += self.speculator.jobs(state)
         if self.mixed is not None:
@@ -670,6 +685,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         state, first = self.insert(self.prefill_chunked([1] * self.max_prompt_length, greedy[0])[0], state, 0)
         for r, fn in self._decode.items():
             state, out = fn(self.step_params(r), state, np.ones(r, np.int32))
+        state = self._move(state, *move_args([(0, 0)], self.max_concurrent_decodes))
         jax.block_until_ready(out)
         if self.mixed is not None:
             state = self.mixed.warm(state)
