@@ -226,12 +226,15 @@ def _refusals(log: str) -> list[str]:
     """The log lines that carry an RBAC refusal, with the line before each (kopf logs the call, then the
     error). A 403 for writing into a namespace being deleted (reason NamespaceTerminating) is the namespace
     lifecycle admission, not RBAC: the operator watches every namespace and another test's namespace may be
-    going away while it posts an event there."""
+    going away while it posts an event there. Neither is kopf's report of that refusal as an event it could
+    not post because the namespace is gone by then (404 namespaces "..." not found)."""
     lines = log.splitlines()
     hits = [
         i
         for i, line in enumerate(lines)
-        if (" 403" in line or "orbidden" in line) and "NamespaceTerminating" not in line
+        if (" 403" in line or "orbidden" in line)
+        and "NamespaceTerminating" not in line
+        and not ("Failed to post an event" in line and "Code: 404" in line and "not found" in line)
     ]
     return [lines[j] for i in hits for j in (i - 1, i) if j >= 0][:40]
 

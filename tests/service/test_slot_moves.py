@@ -141,7 +141,9 @@ async def _burst_then_a_long_one(s, shorts, long_prompt, long_req):
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"speculative": "ngram", "num_speculative_tokens": 3}], ids=["plain", "ngram"]
+    "kw",
+    [{}, pytest.param({"speculative": "ngram", "num_speculative_tokens": 3}, marks=pytest.mark.slow)],
+    ids=["plain", "ngram"],
 )
 def test_a_request_left_in_a_high_slot_is_moved_down_and_stays_exact(tiny_llama, kw):
     model, _ = tiny_llama
