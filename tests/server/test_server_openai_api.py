@@ -204,9 +204,11 @@ def test_queue_full_is_429_with_retry_after(base_url, server):
     """More requests than slots + backlog + queue: the excess gets 429 and Retry-After, the rest finish."""
     c = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
 
+    # long enough answers that the slots stay busy while the burst arrives: with 60 tokens a loaded
+    # 2-core machine (the suite's other worker) once sent the 64 requests slower than 8 slots drained them
     def one(_):
         try:
-            return chat(c, max_tokens=60, extra_body={"ignore_eos": True})
+            return chat(c, max_tokens=140, extra_body={"ignore_eos": True})
         except openai.RateLimitError as e:
             return e
 
@@ -217,7 +219,7 @@ def test_queue_full_is_429_with_retry_after(base_url, server):
     assert limited, "the burst never filled the queue"
     assert limited[0].response.headers["retry-after"] == "1"
     assert limited[0].body["type"] == "rate_limit_error"
-    assert done and all(r.usage.completion_tokens == 60 for r in done)
+    assert done and all(r.usage.completion_tokens == 140 for r in done)
     assert len(limited) + len(done) == 64
 
 
