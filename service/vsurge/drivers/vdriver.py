@@ -283,7 +283,9 @@ class DenseSlots:
         """Move live slots down into free ones when the next step then covers a smaller row bucket
         (slot_moves.py: a burst's last long requests sit anywhere in the slots). A slot being written in
         place or under a grammar stays put."""
-        if len(self.free) == len(self.owners):
+        used = len(self.owners) - len(self.free)
+        # the usual step: the live slots already fit the bucket their count needs (one numpy scan)
+        if not used or self.engine.decode_bucket() <= self.engine.rows_for(used):
             return state
         pinned = [p.slot for p in self.inplace.prefilling] if self.inplace is not None else []
         live = []

@@ -64,6 +64,8 @@ LOCAL_METHODS = frozenset(
         "needs_chunks",
         "bucket_for",
         "pack_rows_for",
+        "decode_bucket",
+        "rows_for",
         "entry_keys",
         "pages_bucket",
         "prefill_shapes",

@@ -7,7 +7,7 @@ burst of 64 requests the last few long ones sit anywhere in 0..63, so every step
 55 ms + 4 ms per row there (bfloat16, context 630: 110 / 176 / 313 ms at 16 / 32 / 64 rows).
 
 `plan_moves` (pure) says which live slots to move into which free ones so that the next step fits the
-smallest bucket the live slots need; `move_rows` (one compiled program, a loop on the device) copies each
+smallest bucket the live slots need; `move_rows_program` (one compiled program, a loop on the device) copies each
 moved slot's whole row of the state (KV cache, token, position, sampler row, counts, prompt mask) in place.
 A move happens only when it shrinks the bucket, so a lane moves a slot a few times per burst at most.
 """

@@ -557,8 +557,11 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
     def decode_bucket(self) -> int:
         """The row bucket the next step runs: the smallest compiled one covering the highest live slot."""
         live = np.flatnonzero(self._active)
-        need_rows = int(live[-1]) + 1 if live.size else 1
-        return next((r for r in self.decode_rows if r >= need_rows), self.max_concurrent_decodes)
+        return self.rows_for(int(live[-1]) + 1 if live.size else 1)
+
+    def rows_for(self, rows: int) -> int:
+        """The smallest compiled row bucket that holds ``rows`` leading slots."""
+        return next((r for r in self.decode_rows if r >= rows), self.max_concurrent_decodes)
 
     def read_lengths(self, rows: int, ahead: int = 1) -> np.ndarray:
         """i32[rows]: how many cache positions each of the first `rows` slots reads in the next step (its
