@@ -22,8 +22,8 @@ from .active_request import ActiveRequest
 from .lanes import Abort, FirstToken
 
 if TYPE_CHECKING:
+    from .dense_slots import DenseSlots
     from .pipeline import StepLoop
-    from .vdriver import DenseSlots
 
 
 def prefilled_in_step(req: ActiveRequest) -> bool:
