@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 
 import httpx
 import openai
 import pytest
-from server_helpers import MAX_LENGTH, MODEL
+from server_helpers import MAX_LENGTH, MODEL, SLOTS
 
 from vsurge.sampling_params import SamplingParams
 
@@ -20,6 +19,13 @@ def chat(client, **kw):
     kw.setdefault("messages", MESSAGES)
     kw.setdefault("max_tokens", 12)
     return client.chat.completions.create(**kw)
+
+
+async def chat_async(client, **kw):
+    kw.setdefault("model", MODEL)
+    kw.setdefault("messages", MESSAGES)
+    kw.setdefault("max_tokens", 12)
+    return await client.chat.completions.create(**kw)
 
 
 def test_chat_non_streaming_shape(client):
@@ -202,25 +208,34 @@ def test_errors_arrive_as_openai_exceptions(client, base_url):
 
 def test_queue_full_is_429_with_retry_after(base_url, server):
     """More requests than slots + backlog + queue: the excess gets 429 and Retry-After, the rest finish."""
-    c = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
+    c = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
+    burst = 160
 
-    # long enough answers that the slots stay busy while the burst arrives: with 60 tokens a loaded
-    # 2-core machine (the suite's other worker) once sent the 64 requests slower than 8 slots drained them
-    def one(_):
+    # The burst must outrun what the bounded queues hold: each request asks for n=SLOTS samples, so it takes
+    # every slot and the engine drains one request per 40 steps, and an asyncio client sends all of them
+    # in a fraction of a second. Prefilled prompts fill the prefill queue (8), the prefill call, the
+    # transfer queue (4 calls) and the backlog (16) -- about 70 requests -- and the rest must be refused.
+    # (64 thread-pool clients of single-sample requests once drained as fast as they arrived in CI.)
+    async def one():
         try:
-            return chat(c, max_tokens=140, extra_body={"ignore_eos": True})
+            return await chat_async(c, n=SLOTS, max_tokens=40, extra_body={"ignore_eos": True})
         except openai.RateLimitError as e:
             return e
 
-    with concurrent.futures.ThreadPoolExecutor(64) as pool:
-        results = list(pool.map(one, range(64)))
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*[one() for _ in range(burst)])
+        finally:
+            await c.close()
+
+    results = asyncio.run(all_of_them())
     limited = [r for r in results if isinstance(r, openai.RateLimitError)]
     done = [r for r in results if not isinstance(r, Exception)]
     assert limited, "the burst never filled the queue"
     assert limited[0].response.headers["retry-after"] == "1"
     assert limited[0].body["type"] == "rate_limit_error"
-    assert done and all(r.usage.completion_tokens == 140 for r in done)
-    assert len(limited) + len(done) == 64
+    assert done and all(r.usage.completion_tokens == 40 * SLOTS for r in done)
+    assert len(limited) + len(done) == burst
 
 
 def test_not_ready_is_503(surge):

@@ -232,6 +232,40 @@ def test_queue_full_raises(tiny):
         s.stop()
 
 
+def test_burst_is_held_back_by_the_bounded_queues(surge):
+    """Requests arriving faster than the slots drain them end in QueueFullError once the bounded queues are
+    full: the step thread takes prefilled prompts in only as fast as it can seat them, so no unbounded
+    list of prefilled prompts (each holding its KV on the device) grows behind the slots."""
+    import time
+
+    drv = surge.driver
+    q = drv.pipeline.prefill_q
+    accepted, refused = [], 0
+    saved = q.maxsize
+    q.maxsize = 4  # the module's surge has the default queue of 1024
+    try:
+        deadline = time.monotonic() + 60
+        while not refused and time.monotonic() < deadline:
+            try:
+                accepted.append(surge.submit(ids_request([1, 2, len(accepted) % 50 + 3], MAX_LEN - 8)))
+            except QueueFullError:
+                refused += 1
+            time.sleep(0.002)  # arrivals a prefill call can keep up with: only the slots hold them back
+        assert refused, f"{len(accepted)} requests accepted in 60 s and none refused"
+        waiting = max(len(s.waiting) for s in drv._slots)
+        assert waiting <= surge._engine.max_concurrent_decodes
+        # slots + their waiting + backlog (2 x slots) + transfer queue + one prefill call + the queue
+        slots = surge._engine.max_concurrent_decodes
+        bound = (
+            slots + slots + 2 * slots + drv._transfer_q.maxsize + 2 * surge._engine.max_concurrent_prefill + 4
+        )
+        assert len([r for r in accepted if not r.done]) <= bound
+    finally:
+        q.maxsize = saved
+        for r in accepted:
+            r.cancel()
+
+
 def test_interleaved_mode_serves(tiny):
     model, tok = tiny
     s = vSurge.create_vdriver(

@@ -88,6 +88,11 @@ class DenseSlots:
         else:
             self.waiting.append(item)
 
+    def _room(self) -> int:
+        """How many more arrivals the step thread takes in: up to one per slot waiting for a slot."""
+        arrived = len(self.inplace.arrived) if self.inplace is not None else 0
+        return max(0, self.engine.max_concurrent_decodes - len(self.waiting) - arrived)
+
     @property
     def used(self) -> int:
         return self.engine.max_concurrent_decodes - len(self.free)
@@ -109,7 +114,10 @@ class DenseSlots:
     def plan(self, state: Any, loop: StepLoop) -> tuple[Any, bool]:
         self._loop = loop
         self._drop_ended(loop)
-        for item in drain(self.lane.backlog):
+        # take from the backlog only what the slots could start soon: a prefilled prompt holds its KV on
+        # the device until it has a slot, so the bounded backlog (and, behind it, the prefill queue and
+        # its 429) is what holds a burst back, not an ever-growing `waiting`
+        for item in drain(self.lane.backlog, self._room()):
             self._receive(item)
         self._hold_structured(loop)
         state = self._insert_waiting(state, loop)

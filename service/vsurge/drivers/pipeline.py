@@ -359,11 +359,12 @@ class Pipeline:
                 req.channel.close()
 
 
-def drain(q: Any) -> list[Any]:
-    """Everything in a queue now, without waiting."""
+def drain(q: Any, limit: int | None = None) -> list[Any]:
+    """Everything in a queue now (at most ``limit`` items), without waiting."""
     items = []
-    while True:
+    while limit is None or len(items) < limit:
         try:
             items.append(q.get_nowait())
         except queue.Empty:
-            return items
+            break
+    return items
