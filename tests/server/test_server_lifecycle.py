@@ -193,7 +193,9 @@ def test_sigterm_drains_without_losing_requests(tiny_dir):
 
         def one(i: int) -> None:
             finish, first = None, True
-            with client.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "n": SLOTS, "stream": True}) as r:
+            with client.stream(
+                "POST", f"{url}/v1/chat/completions", json={**LONG, "n": SLOTS, "stream": True}
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         if first:
