@@ -56,7 +56,8 @@ def test_chunked_dense_decode_matches_softmax(positions, window, limit):
     np.testing.assert_array_equal(np.asarray(vn), vc)
 
 
-def test_packed_prefill_attends_within_each_prompt():
+@pytest.mark.parametrize("block", [64, 6])  # one block, and blocks of queries that end mid-prompt
+def test_packed_prefill_attends_within_each_prompt(block):
     # Three prompts packed in one row (positions restart at 0): each token's output equals attention over
     # its own prompt alone; the padding after them changes nothing.
     rng = np.random.default_rng(1)
@@ -68,7 +69,7 @@ def test_packed_prefill_attends_within_each_prompt():
     k = rng.normal(size=(1, t, kvh, d)).astype(np.float32)
     v = rng.normal(size=(1, t, kvh, d)).astype(np.float32)
     meta = (jnp.asarray(positions[None]), jnp.asarray([sum(lengths)]), jnp.asarray(segments[None]))
-    out, _ = PrefillAttention()(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None, meta)
+    out, _ = PrefillAttention(block=block)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None, meta)
     start = 0
     for n in lengths:
         for i in range(n):
@@ -77,6 +78,22 @@ def test_packed_prefill_attends_within_each_prompt():
             want = _softmax_attend(q[0, start + i], k[0], v[0], allowed)
             np.testing.assert_allclose(np.asarray(out[0, start + i]), want, rtol=2e-5, atol=2e-5)
         start += n
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_blocked_prefill_equals_one_softmax(window):
+    """Rows of different lengths, queries a block at a time (blocks of 7 over 30 positions): the same
+    outputs as one softmax over the whole row, sliding window included."""
+    rng = np.random.default_rng(2)
+    b, t, kvh, g, d = 2, 30, 2, 3, 8
+    q = jnp.asarray(rng.normal(size=(b, t, kvh * g, d)).astype(np.float32))
+    k = jnp.asarray(rng.normal(size=(b, t, kvh, d)).astype(np.float32))
+    v = jnp.asarray(rng.normal(size=(b, t, kvh, d)).astype(np.float32))
+    meta = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), jnp.asarray([30, 17]))
+    whole, _ = PrefillAttention(window=window, block=t)(q, k, v, None, meta)
+    blocked, _ = PrefillAttention(window=window, block=7)(q, k, v, None, meta)
+    np.testing.assert_allclose(np.asarray(blocked)[0], np.asarray(whole)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(blocked)[1, :17], np.asarray(whole)[1, :17], rtol=1e-5, atol=1e-5)
 
 
 def _rows(rng, s, m, t, kvh, g, d):
