@@ -9,12 +9,9 @@ only ever hits compiled programs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -33,6 +30,7 @@ from ..sampling_params import SamplingParams
 from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
 from .dense_mixed import DenseMixedStep
+from .dense_warmup import compile_engine, warm_structured
 from .engine_base import EngineBase, constrain, sample_first_token, sample_step, start_slot
 from .oengine import resolve_token_budget
 from .prefill_rows import first_fit, row_counts, rows_needed
@@ -103,14 +101,6 @@ def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab
     starts = jnp.zeros((entries,), jnp.int32)
     lengths = jnp.zeros((entries,), jnp.int32).at[0].set(length)
     return Prefix(tuple((k[None], v[None]) for k, v in kv), hidden, starts, lengths, mask, sampling)
-
-
-def _spec(a: Any) -> Any:
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
-
-
-def _zeros_of(spec: Any) -> Any:
-    return jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
 
 
 def _entry(rows: SlotSampling, j, key) -> SlotSampling:
@@ -622,130 +612,13 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         self._pos[slot] = 0
         return was
 
-    # ------------------------------------------------------------------ warm-up
+    # ------------------------------------------------------------------ warm-up (dense_warmup.py)
     def compile(self, progress: Callable[[str], None] | None = None) -> float:
-        """Compile every program a live request can hit; returns seconds.
-
-        The expensive programs (prefill buckets, the decode step per row bucket) are lowered
-        and compiled in parallel threads (XLA compiles without the GIL); then each program runs once on
-        the real state, so the jit caches hold exactly the signatures live requests use.
-        """
-        say = progress or log.info
-        t0 = time.perf_counter()
-        state = self.init_decode_state()
-        greedy = [SamplingParams(temperature=0.0, max_tokens=1)]
-        # a bucket of max_length holds at most max_length - 1 prompt tokens (one is generated)
-        warm = {n: [1] * min(n, self.max_prompt_length) for n in self.prefill_lengths}
-        jobs = [
-            (
-                f"prefill bucket {n}",
-                self._prefill,
-                (self.prefill_params, *self._pack([warm[n]], greedy, None)),
-            )
-            for n in self.prefill_lengths
-        ]
-        # multi-row packs: as many rows as prompts, each prompt filling its row
-        width = self.prefill_pack_tokens
-        warm_rows = {r: [[1] * min(width, self.max_prompt_length)] * r for r in self.pack_rows}
-        jobs += [
-            (
-                f"prefill rows {r}x{width}",
-                self._prefill,
-                (self.prefill_params, *self._pack(prompts, greedy * r, None)),
-            )
-            for r, prompts in warm_rows.items()
-        ]
-        jobs += [
-            (f"decode slots={r}", fn, (self.step_params(r), state, np.ones(r, np.int32)))
-            for r, fn in self._decode.items()
-        ]
-        jobs += self.chunked.jobs()
-        jobs.append(("move slots", self._move, (state, *move_args([], self.max_concurrent_decodes))))
-        if self.speculator is not None:
-            jobs += self.speculator.jobs(state)
-        if self.mixed is not None:
-            jobs += self.mixed.jobs(state)
-
-        def build(job):
-            name, fn, args = job
-            t = time.perf_counter()
-            fn.lower(*args).compile()
-            return f"compiled {name} ({time.perf_counter() - t:.1f}s)"
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for line in pool.map(build, jobs):
-                say(line)
-        for n in self.prefill_lengths:  # warm every program on the real state
-            state, first = self.insert(self.prefill(warm[n], greedy[0]), state, 0)
-        for r, prompts in warm_rows.items():
-            state, first = self.insert(self.prefill_many(prompts, greedy * r), state, 0, index=r - 1)
-        # a driver's early first tokens (sample_firsts, read to the host), then the insert that takes one
-        prefix = self.prefill(warm[self.prefill_lengths[0]], greedy[0])
-        host = [np.asarray(x) for x in self.sample_firsts(prefix, [0], self.entry_keys(prefix)[:1])]
-        state, first = self.insert(prefix, state, 0, first=SampleResult(*(x[:1] for x in host)))
-        # a chunked prefill through every bucket, with prompt logprobs, then its (longer) row's insert
-        self.warm_chunked()
-        state, first = self.insert(self.prefill_chunked([1] * self.max_prompt_length, greedy[0])[0], state, 0)
-        for r, fn in self._decode.items():
-            state, out = fn(self.step_params(r), state, np.ones(r, np.int32))
-        state = self._move(state, *move_args([(0, 0)], self.max_concurrent_decodes))
-        jax.block_until_ready(out)
-        if self.mixed is not None:
-            state = self.mixed.warm(state)
-        if self.speculator is not None:
-            state = self.speculator.warm(state)
-            ratios = ", ".join(f"{r} rows {x:.2f}x" for r, x in self.speculator.cost_ratio.items())
-            say(f"verify step (k={self.speculator.k}) / decode step: {ratios}")
-        # shapes for warm_structured, which may run later on another thread
-        self._specs = jax.tree.map(_spec, (state, self.prefill([1], greedy[0])))
-        self.free_resource(0)
-        del state
-        self.compiled = True
-        say(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.1f}s")
-        return time.perf_counter() - t0
+        """Compile every program a live request can hit, and run each once on the real state; returns
+        seconds (dense_warmup.compile_engine)."""
+        return compile_engine(self, progress)
 
     def warm_structured(self, progress: Callable[[str], None] | None = None) -> float:
-        """Compile what structured output adds: the split step (model, then the masked sampler) per row
-        count and the masked first token. Not part of `compile`: only an engine that serves a constrained
-        request pays for them, on a background thread (the driver holds constrained requests until this
-        returns; other requests go on). Compiled from shapes and run once on a throwaway state, so it never
-        touches the live one."""
-        say = progress or log.info
-        t0 = time.perf_counter()
-        if self._specs is not None:
-            state, prefix = self._specs
-            v = self.config.vocab_size
-            mask_spec = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-            words = -(-v // 32)
-            jobs = [
-                (f"forward slots={r}", fn, (self.step_params(r), state, np.ones(r, np.int32)))
-                for r, fn in self._forward.items()
-            ]
-            jobs += [
-                (
-                    f"masked sampler slots={r}",
-                    fn,
-                    (state, jax.ShapeDtypeStruct((r, v), jnp.float32), mask_spec((r, words))),
-                )
-                for r, fn in self._sample_masked.items()
-            ]
-            key = np.zeros(2, np.uint32)
-            first_args = (self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, np.int32(0), key)
-            jobs.append(("masked first token", self._first, (*first_args, mask_spec((1, words)))))
-            with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-                list(pool.map(lambda job: job[1].lower(*job[2]).compile(), jobs))
-            # one real call of each on a throwaway state: the jit dispatch caches then hold the live
-            # signatures (tracing and lowering happen here, never on the step thread)
-            dummy, pre = jax.tree.map(_zeros_of, (state, prefix))
-            for r in self._forward:
-                dummy, logits = self._forward[r](self.step_params(r), dummy, np.ones(r, np.int32))
-                dummy, out = self._sample_masked[r](dummy, logits, np.full((r, words), -1, np.int32))
-            ones = np.full((1, words), -1, np.int32)
-            first = self._first(
-                self.params, pre.hidden, pre.sampling, pre.prompt_mask, np.int32(0), key, ones
-            )
-            jax.block_until_ready((out, first))
-            del dummy, pre
-        self.structured_ready.set()
-        say(f"compiled the structured-output programs in {time.perf_counter() - t0:.1f}s")
-        return time.perf_counter() - t0
+        """Compile what structured output adds, on a throwaway state; the driver calls it on a background
+        thread when the first constrained request arrives (dense_warmup.warm_structured)."""
+        return warm_structured(self, progress)

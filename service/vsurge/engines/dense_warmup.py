@@ -1,0 +1,166 @@
+"""vEngine's warm-up: compile every program a live request can hit, before the first one arrives.
+
+`compile_engine` lowers and compiles the prefill buckets and row packs, the decode step per row bucket,
+chunked prefill, slot moves, verify and mixed steps in parallel threads (XLA compiles without the GIL),
+then runs each once on the real state so the jit caches hold exactly the live signatures.
+`warm_structured` adds what structured output needs, later and on its own thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..sampling_params import SamplingParams
+from .sampling import SampleResult
+from .slot_moves import move_args
+
+log = logging.getLogger(__name__)
+
+
+def _spec(a: Any) -> Any:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+
+
+def _zeros_of(spec: Any) -> Any:
+    return jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
+
+
+def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -> float:
+    """Compile every program a live request can hit; returns seconds.
+
+    The expensive programs (prefill buckets, the decode step per row bucket) are lowered
+    and compiled in parallel threads (XLA compiles without the GIL); then each program runs once on
+    the real state, so the jit caches hold exactly the signatures live requests use.
+    """
+    say = progress or log.info
+    t0 = time.perf_counter()
+    state = engine.init_decode_state()
+    greedy = [SamplingParams(temperature=0.0, max_tokens=1)]
+    # a bucket of max_length holds at most max_length - 1 prompt tokens (one is generated)
+    warm = {n: [1] * min(n, engine.max_prompt_length) for n in engine.prefill_lengths}
+    jobs = [
+        (
+            f"prefill bucket {n}",
+            engine._prefill,
+            (engine.prefill_params, *engine._pack([warm[n]], greedy, None)),
+        )
+        for n in engine.prefill_lengths
+    ]
+    # multi-row packs: as many rows as prompts, each prompt filling its row
+    width = engine.prefill_pack_tokens
+    warm_rows = {r: [[1] * min(width, engine.max_prompt_length)] * r for r in engine.pack_rows}
+    jobs += [
+        (
+            f"prefill rows {r}x{width}",
+            engine._prefill,
+            (engine.prefill_params, *engine._pack(prompts, greedy * r, None)),
+        )
+        for r, prompts in warm_rows.items()
+    ]
+    jobs += [
+        (f"decode slots={r}", fn, (engine.step_params(r), state, np.ones(r, np.int32)))
+        for r, fn in engine._decode.items()
+    ]
+    jobs += engine.chunked.jobs()
+    jobs.append(("move slots", engine._move, (state, *move_args([], engine.max_concurrent_decodes))))
+    if engine.speculator is not None:
+        jobs += engine.speculator.jobs(state)
+    if engine.mixed is not None:
+        jobs += engine.mixed.jobs(state)
+
+    def build(job):
+        name, fn, args = job
+        t = time.perf_counter()
+        fn.lower(*args).compile()
+        return f"compiled {name} ({time.perf_counter() - t:.1f}s)"
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for line in pool.map(build, jobs):
+            say(line)
+    for n in engine.prefill_lengths:  # warm every program on the real state
+        state, first = engine.insert(engine.prefill(warm[n], greedy[0]), state, 0)
+    for r, prompts in warm_rows.items():
+        state, first = engine.insert(engine.prefill_many(prompts, greedy * r), state, 0, index=r - 1)
+    # a driver's early first tokens (sample_firsts, read to the host), then the insert that takes one
+    prefix = engine.prefill(warm[engine.prefill_lengths[0]], greedy[0])
+    host = [np.asarray(x) for x in engine.sample_firsts(prefix, [0], engine.entry_keys(prefix)[:1])]
+    state, first = engine.insert(prefix, state, 0, first=SampleResult(*(x[:1] for x in host)))
+    # a chunked prefill through every bucket, with prompt logprobs, then its (longer) row's insert
+    engine.warm_chunked()
+    state, first = engine.insert(
+        engine.prefill_chunked([1] * engine.max_prompt_length, greedy[0])[0], state, 0
+    )
+    for r, fn in engine._decode.items():
+        state, out = fn(engine.step_params(r), state, np.ones(r, np.int32))
+    state = engine._move(state, *move_args([(0, 0)], engine.max_concurrent_decodes))
+    jax.block_until_ready(out)
+    if engine.mixed is not None:
+        state = engine.mixed.warm(state)
+    if engine.speculator is not None:
+        state = engine.speculator.warm(state)
+        ratios = ", ".join(f"{r} rows {x:.2f}x" for r, x in engine.speculator.cost_ratio.items())
+        say(f"verify step (k={engine.speculator.k}) / decode step: {ratios}")
+    # shapes for warm_structured, which may run later on another thread
+    engine._specs = jax.tree.map(_spec, (state, engine.prefill([1], greedy[0])))
+    engine.free_resource(0)
+    del state
+    engine.compiled = True
+    say(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.1f}s")
+    return time.perf_counter() - t0
+
+
+def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) -> float:
+    """Compile what structured output adds: the split step (model, then the masked sampler) per row
+    count and the masked first token. Not part of `compile`: only an engine that serves a constrained
+    request pays for them, on a background thread (the driver holds constrained requests until this
+    returns; other requests go on). Compiled from shapes and run once on a throwaway state, so it never
+    touches the live one."""
+    say = progress or log.info
+    t0 = time.perf_counter()
+    if engine._specs is not None:
+        state, prefix = engine._specs
+        v = engine.config.vocab_size
+        mask_spec = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        words = -(-v // 32)
+        jobs = [
+            (f"forward slots={r}", fn, (engine.step_params(r), state, np.ones(r, np.int32)))
+            for r, fn in engine._forward.items()
+        ]
+        jobs += [
+            (
+                f"masked sampler slots={r}",
+                fn,
+                (state, jax.ShapeDtypeStruct((r, v), jnp.float32), mask_spec((r, words))),
+            )
+            for r, fn in engine._sample_masked.items()
+        ]
+        key = np.zeros(2, np.uint32)
+        first_args = (engine.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, np.int32(0), key)
+        jobs.append(("masked first token", engine._first, (*first_args, mask_spec((1, words)))))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(lambda job: job[1].lower(*job[2]).compile(), jobs))
+        # one real call of each on a throwaway state: the jit dispatch caches then hold the live
+        # signatures (tracing and lowering happen here, never on the step thread)
+        dummy, pre = jax.tree.map(_zeros_of, (state, prefix))
+        for r in engine._forward:
+            dummy, logits = engine._forward[r](engine.step_params(r), dummy, np.ones(r, np.int32))
+            dummy, out = engine._sample_masked[r](dummy, logits, np.full((r, words), -1, np.int32))
+        ones = np.full((1, words), -1, np.int32)
+        first = engine._first(
+            engine.params, pre.hidden, pre.sampling, pre.prompt_mask, np.int32(0), key, ones
+        )
+        jax.block_until_ready((out, first))
+        del dummy, pre
+    engine.structured_ready.set()
+    say(f"compiled the structured-output programs in {time.perf_counter() - t0:.1f}s")
+    return time.perf_counter() - t0
