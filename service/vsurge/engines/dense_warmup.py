@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from .engine_base import compile_jobs
 from .sampling import SampleResult
 from .slot_moves import move_args
 
@@ -78,15 +79,7 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
     if engine.mixed is not None:
         jobs += engine.mixed.jobs(state)
 
-    def build(job):
-        name, fn, args = job
-        t = time.perf_counter()
-        fn.lower(*args).compile()
-        return f"compiled {name} ({time.perf_counter() - t:.1f}s)"
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for line in pool.map(build, jobs):
-            say(line)
+    compile_jobs(jobs, say)
     for n in engine.prefill_lengths:  # warm every program on the real state
         state, first = engine.insert(engine.prefill(warm[n], greedy[0]), state, 0)
     for r, prompts in warm_rows.items():

@@ -3,8 +3,11 @@ tokenizer-facing properties. The engines differ only in their cache and the prog
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -240,3 +243,18 @@ class EngineBase:
     def _device(self) -> jax.Device:
         leaf = jax.tree_util.tree_leaves(self.params)[0]
         return next(iter(leaf.devices()))
+
+
+def compile_jobs(jobs: Sequence[tuple[str, Any, tuple]], say: Callable[[str], None]) -> None:
+    """Lower and compile every (name, jitted program, example arguments) in parallel threads (XLA compiles
+    without the GIL), saying each one's time."""
+
+    def build(job):
+        name, fn, args = job
+        tic = time.perf_counter()
+        fn.lower(*args).compile()
+        return f"compiled {name} ({time.perf_counter() - tic:.1f}s)"
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for line in pool.map(build, jobs):
+            say(line)

@@ -22,9 +22,7 @@ in ``compile()``. Which pages a sequence gets, and when, is decided on the host 
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -41,7 +39,7 @@ from ..engine_config import EngineConfig
 from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
 from ..models.pallas_sharded import configure as configure_attention
 from ..sampling_params import SamplingParams
-from .engine_base import EngineBase, _doubling, constrain, decode_buckets, sampling_context
+from .engine_base import EngineBase, _doubling, compile_jobs, constrain, decode_buckets, sampling_context
 from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
 from .paging import HBMPageManager, PagedAttentionCache
 from .sampling import (
@@ -477,15 +475,7 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         ]
         jobs += self.chunked.jobs()
 
-        def build(job):
-            name, fn, args = job
-            tic = time.perf_counter()
-            fn.lower(*args).compile()
-            return f"compiled {name} ({time.perf_counter() - tic:.1f}s)"
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for line in pool.map(build, jobs):
-                say(line)
+        compile_jobs(jobs, say)
         for t, n in self.prefill_shapes() if legacy else []:  # warm every program on the real state
             pages, logits = self._prefill[n](
                 self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row
