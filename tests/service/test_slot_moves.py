@@ -147,7 +147,9 @@ async def _burst_then_a_long_one(s, shorts, long_prompt, long_req):
 )
 def test_a_request_left_in_a_high_slot_is_moved_down_and_stays_exact(tiny_llama, kw):
     model, _ = tiny_llama
-    s = _surge(tiny_llama, **kw)
+    # The long request must outlive the shorts' last 39 tokens even when every draft is accepted
+    # (4 tokens a step with K = 3): 200 tokens take at least 50 steps.
+    s = _surge(tiny_llama, max_length=2 * MAX_LEN, **kw)
     s.compile()
     engine = s.driver.engines[0]
     buckets, _, moves = _record(engine)
@@ -157,13 +159,13 @@ def test_a_request_left_in_a_high_slot_is_moved_down_and_stays_exact(tiny_llama,
     s.start()
     try:
         got_shorts, got_long = asyncio.run(
-            _burst_then_a_long_one(s, shorts, long_prompt, greedy_req(long_prompt, 100))
+            _burst_then_a_long_one(s, shorts, long_prompt, greedy_req(long_prompt, 200))
         )
     finally:
         s.stop()
     for p, g in zip(shorts, got_shorts, strict=True):
         assert g == greedy_generate(model, [p], 40)[0]
-    assert got_long == greedy_generate(model, [long_prompt], 100)[0]
+    assert got_long == greedy_generate(model, [long_prompt], 200)[0]
     assert s.driver._slots[0].moved >= 1 and moves, moves
     assert moves[-1][-1][1] == 0  # alone at the end: slot 0
     assert buckets[-1] == 1 and 8 in buckets  # the burst ran 8 rows, the lone request one
