@@ -224,6 +224,21 @@ def test_random_valid_streams_equal_full_decode(tok, data):
     assert "".join(chunks) == whole_text[len(head) :]
 
 
+def test_a_byte_encoded_metaspace_after_a_window_start_stays_a_space():
+    """Found by the property test above: ▁the <0x30> <0x30> then "▁" (U+2581) as three byte pieces. The
+    byte run "00▁" fuses into one piece; a window starting on the second <0x30> made it the window's first
+    piece, whose "▁" SentencePiece's decoder drops, while the full decode keeps it as a space."""
+    tok = byte_fallback_unigram()
+    vocab = tok.get_vocab()
+    ids = [vocab["▁the"]] + [vocab[f"<0x{b:02X}>"] for b in "00▁".encode()]
+    assert ref_decode(tok, ids) == "the00 "
+    for prompt in (None, ids[:2]):
+        gen = ids if prompt is None else ids[2:]
+        assert "".join(stream(IncrementalDetokenizer(tok, prompt_ids=prompt), gen)) == ref_decode(
+            tok, (prompt or []) + gen
+        )[len(ref_decode(tok, prompt or [])) :]
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_byte_level_ids_equal_full_decode(bl_tok, data):

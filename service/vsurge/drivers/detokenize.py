@@ -8,6 +8,11 @@ start, e.g. SentencePiece's leading "▁", treats the boundary as it does inside
 While the decoded window ends in U+FFFD (an incomplete UTF-8 sequence: byte-level BPE tokens, or <0xAB>
 byte-fallback tokens, that split a character) the text is held back, so a broken character is never sent.
 
+A window that starts on a <0xAB> byte-fallback token gets one plain token (the *anchor*) in front of it, in
+the context and in the window alike. Byte-fallback decoders fuse a run of byte tokens into one piece, and
+SentencePiece's Metaspace decoder drops every "▁" of the first piece: without the anchor, a byte-encoded
+"▁" in a run that the window starts inside of would be dropped here but kept as a space in the full text.
+
 The concatenation of everything ``add`` returned plus ``flush()`` equals
 ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`` of the generated
 ids (with ``prompt_ids``: the continuation of the prompt's text). Space clean-up is a lossy rewrite across
@@ -19,6 +24,8 @@ tail that could still become a stop string, and when one completes it returns th
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +56,25 @@ def make_decode_fn(tokenizer: Any, skip_special_tokens: bool = True) -> Callable
     )
 
 
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+@functools.lru_cache(maxsize=16)
+def byte_pieces_and_anchor(tokenizer: Any) -> tuple[frozenset[int], int | None]:
+    """The ids of a tokenizer's <0xAB> byte-fallback pieces, and a plain one-letter token to put in front
+    of a window that starts on one (None when there are no byte pieces, or no such letter)."""
+    vocab = tokenizer.get_vocab()
+    byte_ids = frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.fullmatch(piece))
+    if not byte_ids:
+        return byte_ids, None
+    decode = make_decode_fn(tokenizer, skip_special_tokens=False)
+    for letter in "aeoxAEOX":
+        i = vocab.get(letter)
+        if i is not None and i not in byte_ids and decode([i]) == letter:
+            return byte_ids, i
+    return byte_ids, None
+
+
 class IncrementalDetokenizer:
     """Streams the text of one request's generated tokens, never splitting a character."""
 
@@ -63,20 +89,24 @@ class IncrementalDetokenizer:
         means garbage bytes (an untrained model); text up to the last, possibly incomplete, character is
         then released so the stream does not stall."""
         self._decode = make_decode_fn(tokenizer, skip_special_tokens)
+        try:
+            self._byte_ids, self._anchor = byte_pieces_and_anchor(tokenizer)
+        except (AttributeError, TypeError):  # no vocabulary to read: no byte pieces to guard against
+            self._byte_ids, self._anchor = frozenset(), None
         self.token_ids: list[int] = [int(t) for t in (prompt_ids or ())]
         self.num_prompt_tokens = len(self.token_ids)
         self.prefix_offset = max(len(self.token_ids) - INITIAL_CONTEXT_TOKENS, 0)
         self.read_offset = len(self.token_ids)
         self.max_held_tokens = max_held_tokens
         # decode(token_ids[prefix_offset:read_offset]): the context, computed once per window move.
-        self._context_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        self._context_text = self._text(self.prefix_offset, self.read_offset)
         # The prompt's context must start on a character boundary: byte-fallback decoders turn a whole
         # run of <0xAB> tokens into U+FFFDs when it starts mid-character. A character spans <= 4 bytes.
         for _ in range(3):
             if self.prefix_offset == 0 or _REPLACEMENT not in self._context_text:
                 break
             self.prefix_offset -= 1
-            self._context_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            self._context_text = self._text(self.prefix_offset, self.read_offset)
         # Characters released past the context while tokens are held (garbage-byte case only).
         self._released = 0
 
@@ -87,7 +117,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes ('' while a character is incomplete)."""
         self.token_ids.append(int(token_id))
-        window = self._decode(self.token_ids[self.prefix_offset :])
+        window = self._text(self.prefix_offset, len(self.token_ids))
         start = len(self._context_text) + self._released
         if window.endswith(_REPLACEMENT):
             if len(self.token_ids) - self.read_offset <= self.max_held_tokens:
@@ -102,7 +132,7 @@ class IncrementalDetokenizer:
         """Release held-back text at the end of the request (an unfinished character becomes U+FFFD)."""
         if self.read_offset == len(self.token_ids):
             return ""
-        window = self._decode(self.token_ids[self.prefix_offset :])
+        window = self._text(self.prefix_offset, len(self.token_ids))
         return self._advance(window, len(self._context_text) + self._released)
 
     def _advance(self, window: str, start: int) -> str:
@@ -110,9 +140,16 @@ class IncrementalDetokenizer:
         # The tokens just emitted become the next window's context.
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        self._context_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        self._context_text = self._text(self.prefix_offset, self.read_offset)
         self._released = 0
         return out
+
+    def _text(self, start: int, end: int) -> str:
+        """decode(token_ids[start:end]), the anchor in front when ``start`` falls on a byte piece."""
+        ids = self.token_ids[start:end]
+        if start > 0 and self._anchor is not None and ids and ids[0] in self._byte_ids:
+            ids = [self._anchor, *ids]
+        return self._decode(ids)
 
 
 class StopStringMatcher:
