@@ -234,9 +234,10 @@ def test_a_byte_encoded_metaspace_after_a_window_start_stays_a_space():
     assert ref_decode(tok, ids) == "the00 "
     for prompt in (None, ids[:2]):
         gen = ids if prompt is None else ids[2:]
-        assert "".join(stream(IncrementalDetokenizer(tok, prompt_ids=prompt), gen)) == ref_decode(
-            tok, (prompt or []) + gen
-        )[len(ref_decode(tok, prompt or [])) :]
+        assert (
+            "".join(stream(IncrementalDetokenizer(tok, prompt_ids=prompt), gen))
+            == ref_decode(tok, (prompt or []) + gen)[len(ref_decode(tok, prompt or [])) :]
+        )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
