@@ -8,9 +8,7 @@ then runs each once on the real state so the jit caches hold exactly the live si
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -140,8 +138,7 @@ def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) 
         key = np.zeros(2, np.uint32)
         first_args = (engine.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, np.int32(0), key)
         jobs.append(("masked first token", engine._first, (*first_args, mask_spec((1, words)))))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(lambda job: job[1].lower(*job[2]).compile(), jobs))
+        compile_jobs(jobs, say)
         # one real call of each on a throwaway state: the jit dispatch caches then hold the live
         # signatures (tracing and lowering happen here, never on the step thread)
         dummy, pre = jax.tree.map(_zeros_of, (state, prefix))
