@@ -6,7 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vsurge.models.attention import DenseDecodeAttention, PrefillAttention
+from vsurge.models.attention import DenseDecodeAttention, PrefillAttention, use_dense_reader
+
+# Every dense read runs in both forms: "heads" (XLA:CPU's, per-head 4-d contractions) and "flat" (TPU's,
+# block-diagonal queries against the flat rows), on the flat cache the engine keeps and on a 4-d one.
+READERS = pytest.mark.parametrize("reader", ["heads", "flat"])
 
 
 def _softmax_attend(q, k, v, allowed):
@@ -30,7 +34,9 @@ def _softmax_attend(q, k, v, allowed):
         ([30, 2, 70, 71], None, 72),  # limit from the host: stale positions beyond it are not read
     ],
 )
-def test_chunked_dense_decode_matches_softmax(positions, window, limit):
+@READERS
+@pytest.mark.parametrize("flat", [True, False])
+def test_chunked_dense_decode_matches_softmax(positions, window, limit, reader, flat):
     rng = np.random.default_rng(0)
     s, m, kvh, g, d = 4, 100, 2, 3, 8
     kc = rng.normal(size=(s, m, kvh, d)).astype(np.float32)
@@ -41,9 +47,17 @@ def test_chunked_dense_decode_matches_softmax(positions, window, limit):
     pos = np.array(positions, np.int32)
     meta = jnp.asarray(pos) if limit is None else (jnp.asarray(pos), jnp.int32(limit))
     backend = DenseDecodeAttention(window=window, chunk=16)
-    out, (kn, vn) = backend(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), (jnp.asarray(kc), jnp.asarray(vc)), meta
-    )
+    layout = (lambda x: x.reshape(s, m, kvh * d)) if flat else (lambda x: x)
+    with use_dense_reader(reader):
+        out, (kn, vn) = backend(
+            jnp.asarray(q),
+            jnp.asarray(k),
+            jnp.asarray(v),
+            (jnp.asarray(layout(kc)), jnp.asarray(layout(vc))),
+            meta,
+        )
+    assert kn.shape == layout(kc).shape  # the cache comes back in the layout it was given
+    kn, vn = np.asarray(kn).reshape(kc.shape), np.asarray(vn).reshape(vc.shape)
     for r in range(s):
         kc[r, pos[r]], vc[r, pos[r]] = k[r, 0], v[r, 0]
         n = np.arange(m)
@@ -116,8 +130,9 @@ def _live_rows(backend, kc, vc, q, k, v, pos, lengths) -> np.ndarray:
     return out
 
 
+@READERS
 @pytest.mark.parametrize("s, spread", [(20, True), (32, True), (32, False)])
-def test_rows_read_in_sorted_groups_match_softmax(s, spread):
+def test_rows_read_in_sorted_groups_match_softmax(s, spread, reader):
     # More rows than READ_GROUP: rows are sorted by the length they read and, when lengths differ enough
     # (spread), read in groups, each group stopping after its own longest row; else in one pass. Every
     # live row gets its exact attention either way (groups of unequal lengths, a last group smaller than
@@ -133,14 +148,16 @@ def test_rows_read_in_sorted_groups_match_softmax(s, spread):
     live = rng.random(s) < 0.7 if spread else np.ones(s, bool)
     live[:2] = [True, not spread]
     lengths = np.where(live, pos + 1, 0).astype(np.int32)
-    out = _live_rows(DenseDecodeAttention(chunk=16), kc, vc, q, k, v, pos, lengths)
+    with use_dense_reader(reader):
+        out = _live_rows(DenseDecodeAttention(chunk=16), kc, vc, q, k, v, pos, lengths)
     for r in np.flatnonzero(live):
         kc[r, pos[r]], vc[r, pos[r]] = k[r, 0], v[r, 0]
         want = _softmax_attend(q[r, 0], kc[r], vc[r], np.arange(m) <= pos[r])
         np.testing.assert_allclose(np.asarray(out[r, 0]), want, rtol=2e-5, atol=2e-5)
 
 
-def test_verify_rows_read_in_sorted_groups_match_softmax():
+@READERS
+def test_verify_rows_read_in_sorted_groups_match_softmax(reader):
     # The verify step's attention (T new tokens per row) reads the same way: token t of row r sees the
     # row's cache up to its own position, the new tokens before it included; idle rows read nothing.
     from vsurge.engines.spec_verify import DenseVerifyAttention
@@ -152,7 +169,8 @@ def test_verify_rows_read_in_sorted_groups_match_softmax():
     live = np.ones(s, bool)
     live[[3, 7]] = False
     lengths = np.where(live, pos + t, 0).astype(np.int32)
-    out = _live_rows(DenseVerifyAttention(chunk=16), kc, vc, q, k, v, pos, lengths)
+    with use_dense_reader(reader):
+        out = _live_rows(DenseVerifyAttention(chunk=16), kc, vc, q, k, v, pos, lengths)
     for r in np.flatnonzero(live):
         kc[r, pos[r] : pos[r] + t], vc[r, pos[r] : pos[r] + t] = k[r], v[r]
         for i in range(t):

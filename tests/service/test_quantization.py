@@ -68,6 +68,7 @@ def test_grouped_round_trip_and_group_counts():
     assert quantization.groups_for(576) == 9 and quantization.groups_for(576, shards=3) == 9
     assert quantization.groups_for(576, shards=2) == 1  # a device would hold half a group: per channel
     assert quantization.groups_for(100) == 1
+    assert quantization.groups_for(576, backend="tpu") == 1  # TPU: per channel, fused into the matmul
 
 
 def test_group_scales_and_cpu_tiles_match_the_plain_matmul():

@@ -60,8 +60,16 @@ def decode_buckets(max_length: int, smallest: int = 128) -> list[int]:
     return _doubling(smallest, max_length)
 
 
-def row_buckets(slots: int, smallest: int = 4) -> list[int]:
-    """How many leading slots a decode step covers: powers of two up to `slots`."""
+def row_buckets(slots: int, smallest: int = 4, backend: str | None = None) -> list[int]:
+    """How many leading slots a decode step covers: powers of two up to `slots`; on TPU powers of four
+    from 8, since a step's weight reads cost the same for 8 rows or 64 there, and each bucket is a
+    program to compile at start (rows still matter when few long rows are live: the KV a step reads)."""
+    if (backend or jax.default_backend()) == "tpu":
+        out, n = [], min(8, slots)
+        while n < slots:
+            out.append(n)
+            n *= 4
+        return out + [slots]
     return _doubling(smallest, slots)
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..models.attention import kv_store, read_dense_rows
+from ..models.attention import as_given, flat_cache, kv_store, read_chunk, read_dense_rows, to_flat
 from ..sampling_params import SamplingParams
 from .engine_base import constrain
 from .sampling import SlotSampling, sample
@@ -67,7 +67,7 @@ def plain_sampling(params: SamplingParams) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class DenseVerifyAttention:
-    """T new tokens per row against a dense cache K, V [S, M, KVH, D] (T = K+1 in a verify step).
+    """T new tokens per row against a dense cache K, V [S, M, KVH * D] (T = K+1 in a verify step).
 
     meta: (positions i32[S], lengths): row s's new tokens go to positions[s] .. positions[s] + T - 1;
     ``lengths`` i32[S] is how much of each row the step reads (its last new position + 1; 0 for an idle
@@ -77,24 +77,24 @@ class DenseVerifyAttention:
     """
 
     window: int | None = None
-    chunk: int = 128
+    chunk: int | None = None
 
     def __call__(self, q, k, v, cache, meta):
         positions, lengths = meta
-        kc, vc = cache
+        kc, vc, shape4 = flat_cache(cache)
         s, t, h, d = q.shape
         kvh = k.shape[2]
         g = h // kvh
         pos = positions[:, None] + jnp.arange(t)[None, :]  # [S, T]
         rows = jnp.arange(s)[:, None]
-        kc = kc.at[rows, pos].set(kv_store(k, kc.dtype), mode="drop")
-        vc = vc.at[rows, pos].set(kv_store(v, vc.dtype), mode="drop")
+        kc = kc.at[rows, pos].set(kv_store(to_flat(k), kc.dtype), mode="drop")
+        vc = vc.at[rows, pos].set(kv_store(to_flat(v), vc.dtype), mode="drop")
         need = lengths if jnp.ndim(lengths) else jnp.minimum(positions + t, lengths)
         qg = q.reshape(s, t, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
         out = read_dense_rows(
-            qg, kc, vc, pos, jnp.minimum(need, kc.shape[1]), window=self.window, chunk=self.chunk
+            qg, kc, vc, pos, jnp.minimum(need, kc.shape[1]), window=self.window, chunk=read_chunk(self.chunk)
         )
-        return out.reshape(s, t, h, d).astype(q.dtype), (kc, vc)
+        return out.reshape(s, t, h, d).astype(q.dtype), as_given(kc, vc, shape4)
 
 
 def _verify_step_impl(

@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..engine_config import EngineConfig
-from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, kv_store
-from ..models.sharding import kv_cache_sharding
+from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, kv_store, to_flat
+from ..models.sharding import dense_cache_sharding
 from ..sampling_params import SamplingParams
 from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 class GenerationState(NamedTuple):
-    caches: tuple[tuple[jax.Array, jax.Array], ...]  # per layer K, V [slots, max_length, kv_heads, head_dim]
+    caches: tuple[tuple[jax.Array, jax.Array], ...]  # per layer K, V [slots, max_length, kv_heads * head_dim]
     tokens: jax.Array  # i32[S] the token each slot feeds to its next decode step
     positions: jax.Array  # i32[S] where that token goes (the slot's current length)
     steps: jax.Array  # i32[S] tokens generated so far: the sampler's per-request step counter
@@ -144,13 +144,13 @@ def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_tok
     # a chunked prefill's row may be longer than the cache (rounded up to whole chunks)
     src = jnp.minimum(at + jnp.arange(min(t, state.caches[0][0].shape[1])), t - 1)
 
-    def entry(x):
-        return jnp.take(jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), src, axis=0)[None]
+    def entry(x):  # [1, M, KVH * D]: the cache's flat rows
+        return to_flat(jnp.take(jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), src, axis=0))[None]
 
     caches = tuple(
         (
-            jax.lax.dynamic_update_slice(kc, kv_store(entry(k), kc.dtype), (slot, 0, 0, 0)),
-            jax.lax.dynamic_update_slice(vc, kv_store(entry(v), vc.dtype), (slot, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(kc, kv_store(entry(k), kc.dtype), (slot, 0, 0)),
+            jax.lax.dynamic_update_slice(vc, kv_store(entry(v), vc.dtype), (slot, 0, 0)),
         )
         for (kc, vc), (k, v) in zip(state.caches, prefix.kv, strict=True)
     )
@@ -296,12 +296,15 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
 
     def _cache_shape(self) -> tuple[int, ...]:
         c = self.config
-        return (self.max_concurrent_decodes, self.max_length, c.num_kv_heads, c.head_dim)
+        return (self.max_concurrent_decodes, self.max_length, c.num_kv_heads * c.head_dim)
+
+    def _kv_sharding(self) -> jax.sharding.Sharding:
+        return dense_cache_sharding(self.mesh, self._cache_shape(), self.config.num_kv_heads)
 
     def _make_state_shardings(self) -> GenerationState | None:
         if self.mesh is None:
             return None
-        kv = kv_cache_sharding(self.mesh, self._cache_shape())
+        kv = self._kv_sharding()
         rep = NamedSharding(self.mesh, P())
         return GenerationState(
             caches=tuple((kv, kv) for _ in range(self.config.num_layers)),
@@ -338,7 +341,7 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         s, v = self.max_concurrent_decodes, self.config.vocab_size
         dtype = self.cache_dtype
         rep = self._replicated()
-        kv_sharding = kv_cache_sharding(self.mesh, self._cache_shape()) if self.mesh is not None else rep
+        kv_sharding = self._kv_sharding() if self.mesh is not None else rep
         if self._zeros is None:  # one program, kept: a restarted generate thread must not compile again
             self._zeros = jax.jit(lambda: jnp.zeros(self._cache_shape(), dtype), out_shardings=kv_sharding)
         caches = tuple((self._zeros(), self._zeros()) for _ in range(self.config.num_layers))

@@ -100,6 +100,17 @@ def kv_cache_sharding(
     return NamedSharding(mesh, fit_spec(KV_PAGES_SPEC if paged else KV_CACHE_SPEC, shape, mesh))
 
 
+def dense_cache_sharding(
+    mesh: Mesh | None, shape: tuple[int, ...], num_kv_heads: int
+) -> jax.sharding.Sharding:
+    """vEngine's flat cache [S, M, KVH * D]: slots over dp, the flat heads over tp when tp splits whole kv
+    heads (each tp shard then holds the heads its query heads read), else whole on every tp shard."""
+    if mesh is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tp = "tp" if num_kv_heads % mesh.shape["tp"] == 0 else None
+    return NamedSharding(mesh, fit_spec(P("dp", None, tp), shape, mesh))
+
+
 def place_params(state, cfg, mesh: Mesh):
     """Move an nnx parameter State onto `mesh` by the architecture's rules (for engines on their own devices)."""
     from flax import nnx
