@@ -1,0 +1,172 @@
+"""The TPU benchmark: every model shape and engine path on the chip, in one call, under a time budget.
+
+    python benchmarks/tpu_bench.py --out-dir $OUT                    # on the TPU machine, <= 8 minutes
+    python benchmarks/tpu_bench.py --shapes 1b64 --paths vdriver     # a subset
+    python benchmarks/tpu_bench.py --shapes tiny --budget-s 900      # CPU smoke test (tests run it)
+
+For each shape (benchmarks/tpu_checkpoint.py: Llama-3.2-1B with head_dim 64, the same sizes with head_dim
+128, Llama-3.1-8B loaded in int8) a random-weight bf16 checkpoint is written once and loaded through
+`vsurge.load_model` in a worker process of its own (benchmarks/tpu_worker.py; one process holds the chip
+at a time, and a crash or a hang costs that shape alone). Per driver/attention path the worker measures
+the raw loop (the bare jitted decode step), then the engine through `vSurge.create` / `vSurge.complete`:
+a fixed batch (64 requests x 256 tokens, all in flight) and a mixed workload (prompts 32-512, outputs
+16-256, 64 in flight). Reported: step time, tok/s, share of the HBM roofline (weights + the KV bytes the
+step reads), engine / raw loop, mixed tok/s against its limit estimate, TTFT p50/p90, load and compile
+time, host (step thread) CPU per step; then the second start of the default path in a new process with
+the persistent compile cache warm. The budget is honoured between shapes (a shape starts only with time
+for it) and within them (its worker is stopped at its share; what it measured is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from tpu_checkpoint import write_checkpoint  # noqa: E402
+
+# what each shape runs: paths, weights, context and the least time worth starting it with
+PLAN: dict[str, dict[str, Any]] = {
+    "1b64": dict(
+        paths="vdriver,odriver-pallas", quant="none", max_length=1024, mixed_max_prompt=512, least=90
+    ),
+    "1b128": dict(
+        paths="vdriver,odriver-pallas", quant="none", max_length=1024, mixed_max_prompt=512, least=90
+    ),
+    "8b": dict(paths="vdriver", quant="int8", max_length=640, mixed_max_prompt=384, least=150),
+    "tiny": dict(paths="vdriver,odriver-jax", quant="none", max_length=256, mixed_max_prompt=64, least=10),
+}
+PEAK_GBPS = {"tpu v5 lite": 819.0, "tpu v5e": 819.0, "tpu v6 lite": 1640.0, "tpu v5": 2765.0}
+
+
+def worker(args, shape: str, plan: dict[str, Any], ckpt: str, deadline_s: float, out: Path, extra=()) -> dict:
+    cmd = [
+        sys.executable,
+        str(HERE / "tpu_worker.py"),
+        "--ckpt", ckpt,
+        "--shape", shape,
+        "--paths", args.paths or plan["paths"],
+        "--quant", plan["quant"],
+        "--max-length", str(plan["max_length"]),
+        "--mixed-max-prompt", str(plan["mixed_max_prompt"]),
+        "--batch", str(args.batch),
+        "--deadline-s", str(max(10.0, deadline_s - 5)),
+        "--out", str(out),
+        *extra,
+    ]  # fmt: skip
+    if shape == "tiny":
+        cmd += ["--fixed-prompt", "16", "--fixed-out", "32"]
+    env = dict(os.environ, VSURGE_CACHE_DIR=str(Path(args.cache_dir) / shape))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=deadline_s, capture_output=True, text=True)
+        status = f"exit {proc.returncode}"
+        log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    except subprocess.TimeoutExpired as e:
+        status = f"stopped at its {deadline_s:.0f}s share"
+        log = (
+            (e.stdout or b"")[-4000:].decode(errors="replace")
+            if isinstance(e.stdout, bytes)
+            else str(e.stdout)
+        )
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result.update(status=status, wall_s=time.perf_counter() - t0)
+    print(log, flush=True)
+    return result
+
+
+def table(results: dict[str, Any]) -> str:
+    """A markdown table per shape and path, from the workers' JSON."""
+    lines = [
+        "| shape | path | raw step ms | raw tok/s | % HBM roofline | fixed tok/s | ÷ raw | mixed tok/s | "
+        "÷ limit | TTFT p50/p90 (mixed) | load s | compile s | step-thread CPU ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    peak = next((v for k, v in PEAK_GBPS.items() if k in str(results.get("device", "")).lower()), None)
+    for shape, res in results.get("shapes", {}).items():
+        for run in res.get("runs", []):
+            raw, fixed, mixed = run.get("raw") or {}, run.get("fixed") or {}, run.get("mixed") or {}
+
+            def f(x, fmt="{:.1f}"):
+                return "" if x is None else fmt.format(x)
+
+            roof = raw.get("hbm_gbps") / peak * 100 if raw.get("hbm_gbps") and peak else None
+            steps = fixed.get("tokens", 0) / max(1, results.get("batch", 64))
+            step_cpu = fixed.get("thread_cpu_s", {}).get("vsurge-generate-0")
+            note = run.get("error") or run.get("skipped") or ""
+            lines.append(
+                f"| {shape} | {run['path']}{' — ' + note[:60] if note else ''} | {f(raw.get('step_s') and raw['step_s'] * 1e3, '{:.2f}')} "
+                f"| {f(raw.get('tok_s'), '{:.0f}')} | {f(roof)} | {f(fixed.get('tok_s'), '{:.0f}')} | {f(fixed.get('vs_raw'), '{:.2f}')} "
+                f"| {f(mixed.get('tok_s'), '{:.0f}')} | {f(mixed.get('vs_limit'), '{:.2f}')} "
+                f"| {f(mixed.get('ttft_p50'), '{:.2f}')} / {f(mixed.get('ttft_p90'), '{:.2f}')} "
+                f"| {f(res.get('load_s'))} | {f(run.get('compile_s'))} "
+                f"| {f(step_cpu and steps and step_cpu / steps * 1e3, '{:.2f}')} |"
+            )
+    warm = results.get("warm_start")
+    if warm:
+        lines.append("")
+        lines.append(
+            f"second start of {warm.get('shape')} (new process, warm compile cache): load {warm.get('load_s', 0):.1f} s, "
+            f"compile {warm.get('compile_s', 0):.1f} s, ready {warm.get('ready_s', 0):.1f} s after the backend "
+            f"({warm.get('ready_from_process_s', 0):.1f} s from process start, backend init {warm.get('backend_init_s', 0):.1f} s)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="1b64,1b128,8b")
+    p.add_argument("--paths", default=None, help="driver paths for every shape (default: each shape's plan)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--budget-s", type=float, default=470)
+    p.add_argument("--ckpt-dir", default="/tmp/vsurge-tpu-ckpt")
+    p.add_argument("--cache-dir", default="/tmp/vsurge-tpu-cache")
+    p.add_argument("--out-dir", default=".")
+    p.add_argument("--warm-start", default="1b64", help="shape whose second start is measured ('' skips)")
+    args = p.parse_args(argv)
+    t_end = time.perf_counter() + args.budget_s
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = dict(shapes={}, batch=args.batch, started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    shapes = [s for s in args.shapes.split(",") if s]
+    for i, shape in enumerate(shapes):
+        plan = PLAN[shape]
+        left = t_end - time.perf_counter()
+        # the rest of the budget is shared by the shapes still to run (the warm start takes ~a share)
+        share = left / (len(shapes) - i + (1 if args.warm_start else 0) * 0.5)
+        if left < plan["least"]:
+            results["shapes"][shape] = dict(status=f"skipped: {left:.0f}s left, needs {plan['least']}s")
+            continue
+        ckpt = str(Path(args.ckpt_dir) / shape)
+        t0 = time.perf_counter()
+        written = write_checkpoint(shape, ckpt)
+        res = worker(args, shape, plan, ckpt, max(plan["least"], share), out_dir / f"{shape}.json")
+        res["checkpoint_write_s"] = time.perf_counter() - t0 - res["wall_s"]
+        res["checkpoint_bytes_written"] = written
+        results["device"] = results.get("device") or res.get("device")
+        results["shapes"][shape] = res
+        (out_dir / "tpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
+    if args.warm_start and args.warm_start in results["shapes"] and t_end - time.perf_counter() > 30:
+        shape = args.warm_start
+        res = worker(
+            args, shape, PLAN[shape], str(Path(args.ckpt_dir) / shape), t_end - time.perf_counter(),
+            out_dir / f"{shape}-warm.json", extra=("--warm-start",),
+        )  # fmt: skip
+        results["warm_start"] = dict(res, shape=shape)
+    report = table(results)
+    print(report, flush=True)
+    (out_dir / "tpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
+    (out_dir / "tpu_bench.md").write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
