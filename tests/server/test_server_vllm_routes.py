@@ -4,6 +4,7 @@ the model card's vLLM fields."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import httpx
@@ -16,55 +17,127 @@ MESSAGES = [{"role": "user", "content": "Hello world"}]
 # ------------------------------------------------------------------------------------------------ /load
 
 
-def test_load_reports_in_flight_requests_slots_and_kv(server, http):
-    idle = http.get("/load")
-    assert idle.status_code == 200
-    body = idle.json()
-    assert body["server_load"] == 0 and body["status"] == "ready"
-    m = body["models"][MODEL]
+def test_load_report_from_driver_counters():
+    from vsurge.drivers.metrics import DriverMetrics
+    from vsurge.server.load import load_report
+
+    dense = DriverMetrics(slots_used=3, slots_total=8, requests_running=3, requests_waiting=2)
+    paged = DriverMetrics(slots_used=1, slots_total=4, requests_running=1, pages_used=30, pages_total=120)
+    report = load_report("ready", 5, {"a": dense, "b": paged, "c": RuntimeError("gone")})
+    a, b = report["models"]["a"], report["models"]["b"]
+    assert a == {
+        "driver": "vdriver",
+        "requests_waiting": 2,
+        "requests_running": 3,
+        "slots_used": 3,
+        "slots_total": 8,
+        "slots_free": 5,
+        "kv_pages_used": None,  # dense KV: one row per slot, so its KV use is slot use
+        "kv_pages_total": None,
+        "kv_usage": 0.375,
+    }
+    assert b["driver"] == "odriver" and (b["kv_pages_used"], b["kv_pages_total"], b["kv_usage"]) == (
+        30,
+        120,
+        0.25,
+    )
+    assert report["models"]["c"] == {"error": "RuntimeError"}
+    assert report["server_load"] == 5 and report["slots_free"] == 8 and report["requests_waiting"] == 2
+    assert (report["kv_pages_used"], report["kv_pages_total"]) == (30, 120)
+
+
+def _poll_during(http, burst) -> list[dict]:
+    """/load snapshots taken back to back while ``burst`` (a started thread pool future list) runs."""
+    snapshots = []
+    while not all(f.done() for f in burst):
+        snapshots.append(http.get("/load").json())
+    for f in burst:
+        f.result()
+    return snapshots
+
+
+def test_load_follows_a_burst_and_returns_to_idle(server, http):
+    idle = http.get("/load").json()
+    assert idle["server_load"] == 0 and idle["status"] == "ready"
+    m = idle["models"][MODEL]
     # the vDriver: one dense KV row per slot, so no pages and KV use is slot use
     assert m["driver"] == "vdriver" and m["kv_pages_used"] is None and m["kv_pages_total"] is None
-    assert m["slots_total"] == SLOTS and m["slots_free"] == SLOTS and m["slots_used"] == 0
-    assert m["requests_waiting"] == 0 and m["requests_running"] == 0 and m["kv_usage"] == 0.0
-    assert {k: body[k] for k in ("slots_total", "slots_free", "requests_running")} == {
-        "slots_total": SLOTS,
-        "slots_free": SLOTS,
-        "requests_running": 0,
-    }
-    # a long stream holds a slot: after its first chunk, /load sees it (vLLM's server_load counts it)
-    payload = {
-        "model": MODEL,
-        "prompt": "Hello",
-        "max_tokens": MAX_LENGTH - 8,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    with (
-        httpx.Client(base_url=server.url, timeout=60) as streamer,
-        streamer.stream("POST", "/v1/completions", json=payload) as r,
-    ):
-        assert next(line for line in r.iter_lines() if line.startswith("data: "))
-        busy = http.get("/load").json()
-        assert busy["server_load"] == 1
-        bm = busy["models"][MODEL]
-        assert bm["slots_used"] == 1 and bm["slots_free"] == SLOTS - 1 and bm["requests_running"] == 1
-        assert bm["kv_usage"] == pytest.approx(1 / SLOTS, abs=1e-3)
-        assert busy["slots_free"] == SLOTS - 1
-    # the client left: the request is cancelled, its slot and the count come back
+    assert (m["slots_total"], m["slots_free"], m["slots_used"], m["kv_usage"]) == (SLOTS, SLOTS, 0, 0.0)
+    assert m["requests_waiting"] == 0 and m["requests_running"] == 0
+    # three requests of SLOTS samples each: they take every slot in turn, and the others wait
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 120, "n": SLOTS, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        burst = [
+            pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=120) for _ in range(3)
+        ]
+        snapshots = _poll_during(http, burst)
+    assert all(f.result().status_code == 200 for f in burst)
+    for snap in snapshots:  # every answer is consistent in itself
+        sm = snap["models"][MODEL]
+        assert 0 <= snap["server_load"] <= 3 and sm["slots_used"] + sm["slots_free"] == SLOTS
+        assert sm["kv_usage"] == pytest.approx(sm["slots_used"] / SLOTS, abs=1e-3)
+        assert snap["slots_used"] == sm["slots_used"] and snap["requests_waiting"] == sm["requests_waiting"]
+    # and it saw the burst: in flight, every slot taken, samples waiting for one
+    assert max(s["server_load"] for s in snapshots) >= 2
+    assert max(s["models"][MODEL]["slots_used"] for s in snapshots) == SLOTS
+    assert max(s["models"][MODEL]["requests_running"] for s in snapshots) >= 1
+    assert max(s["models"][MODEL]["requests_waiting"] for s in snapshots) >= 1
     wait_for(lambda: http.get("/load").json()["server_load"] == 0)
     wait_for(lambda: http.get("/load").json()["models"][MODEL]["slots_used"] == 0)
+
+
+@pytest.mark.slow  # compiles the paged engine's programs (~45 s cold on 2 cores)
+def test_load_on_the_paged_engine_reports_kv_pages(tiny_dir):
+    import vsurge
+    from vsurge.server import start, vSurgeApiServer
+    from vsurge.surge import vSurge
+
+    model, processor = vsurge.load_model(tiny_dir)
+    surge = vSurge.create_odriver(
+        model,
+        processor,
+        max_concurrent_decodes=2,
+        max_length=96,
+        prefill_lengths=[32],
+        page_size=16,
+        vsurge_name="p",
+    )
+    api = vSurgeApiServer({"p": surge})
+    running = start(api, host="127.0.0.1", port=0, metrics_port=-1, warm_up=True, progress=None)
+    try:
+        running.wait_ready(600)
+        with httpx.Client(base_url=running.url, timeout=120) as c:
+            idle = c.get("/load").json()["models"]["p"]
+            assert idle["driver"] == "odriver" and idle["kv_pages_total"] > 0
+            total = idle["kv_pages_total"]
+            body = {"model": "p", "prompt": [5] * 40, "max_tokens": 40, "n": 2, "ignore_eos": True}
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                burst = [pool.submit(c.post, "/v1/completions", json=body) for _ in range(2)]
+                snapshots = _poll_during(c, burst)
+            for snap in snapshots:
+                pm = snap["models"]["p"]
+                assert pm["kv_pages_total"] == total and 0 <= pm["kv_pages_used"] <= total
+                assert pm["kv_usage"] == pytest.approx(pm["kv_pages_used"] / total, abs=1e-3)
+            # a sample of 40 + 40 tokens holds at least 5 pages of 16 while it decodes
+            assert max(s["models"]["p"]["kv_pages_used"] for s in snapshots) >= 5
+    finally:
+        running.stop()
 
 
 def test_load_needs_no_api_key_and_reports_a_starting_server(surge):
     from vsurge.server import start, vSurgeApiServer
 
-    api = vSurgeApiServer({MODEL: surge}, api_key="k", owns_engines=False)
+    api = vSurgeApiServer(api_key="k", owns_engines=False)
+    # the card's root is where the weights came from, without what could carry a credential
+    api.add_model(MODEL, surge, root="s3://user:secret@bucket/models/tiny?X-Amz-Signature=abc")
     running = start(api, host="127.0.0.1", port=0, metrics_port=-1, warm_up=False, progress=None)
     try:
         r = httpx.get(f"{running.url}/load", timeout=10)
         assert r.status_code == 200 and r.json()["status"] == "starting"
         assert httpx.get(f"{running.url}/ping", timeout=10).status_code == 503
         assert httpx.get(f"{running.url}/tokenizer_info", timeout=10).status_code == 401
+        card = httpx.get(f"{running.url}/v1/models", headers={"Authorization": "Bearer k"}, timeout=10).json()
+        assert card["data"][0]["root"] == "s3://bucket/models/tiny"
     finally:
         running.stop()
 

@@ -78,6 +78,20 @@ def _decode(entry: ServedModel, ids: list[int]) -> str:
     return entry.processor.decode(ids) if entry.processor is not None else ""
 
 
+def public_root(source: str | None) -> str | None:
+    """A model source fit to show on the model card: a URI without user info, query or fragment (where
+    credentials or signed tokens could hide); paths and hub ids as given."""
+    if not source or "://" not in source:
+        return source
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(source)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
 def _model_card(m: ServedModel) -> dict[str, Any]:
     """OpenAI's model object with vLLM's fields (root, parent, max_model_len, permission)."""
     return {

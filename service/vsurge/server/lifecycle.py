@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import errors
-from .engine import ServedModel, _vocab_size
+from .engine import ServedModel, _vocab_size, public_root
 from .logprob_shapes import TokenDecoder
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class Lifecycle:
             vocab_size=_vocab_size(surge),
             decode=TokenDecoder(surge.processor),
             load_seconds=load_seconds,
-            root=root,
+            root=public_root(root),
         )
         self.models[name] = entry
         self.metrics.add_model(name, surge)
