@@ -385,7 +385,7 @@ def run_serve(cfg: ServeConfig) -> int:
             surge = leader.surge(cfg, model, processor, mesh, api)
         else:
             surge = build_surge(cfg, model, processor, mesh)
-        api.add_model(cfg.model_name, surge, load_seconds=load_s)
+        api.add_model(cfg.model_name, surge, load_seconds=load_s, root=str(cfg.model))
         from vsurge.models.sources import load_phases
 
         phases = load_phases(cfg.model) or {"place": load_s}  # remote sources add "download"

@@ -251,6 +251,17 @@ def test_logit_bias_and_allowed_token_ids_steer_sampling(client):
         extra_body={"allowed_token_ids": [40, 41, 43], "return_token_ids": True, "ignore_eos": True},
     )
     assert set(allowed.choices[0].model_extra["token_ids"]) <= {40, 41, 43}
+    # logit_bias on an id outside allowed_token_ids must not let it in: it shared the allowed row on the
+    # device, so +100 on 42 used to force 42 (the "token outside the allowed set" of issue 37)
+    both = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=0,
+        logit_bias={"42": 100, "43": 100},
+        extra_body={"allowed_token_ids": [40, 41, 43], "return_token_ids": True, "ignore_eos": True},
+    )
+    assert both.choices[0].model_extra["token_ids"] == [43] * 6  # the bias on an allowed id still counts
     for bad, param in (({"99999": 1}, "logit_bias"), ({"7": 500}, "logit_bias"), ({"x": 1}, "logit_bias")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, logit_bias=bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from vsurge.request import ReturnSample, TokenLogprob
@@ -12,6 +13,7 @@ from vsurge.server.shaping import (
     Extras,
     chat_response,
     completion_response,
+    token_id_string,
 )
 
 
@@ -57,7 +59,19 @@ def test_chat_response_shape():
     obj = chat_response("chatcmpl-1", 7, "m", col.choices, col.prompt_tokens, decode, with_logprobs=True)
     assert obj["object"] == "chat.completion" and obj["model"] == "m" and obj["created"] == 7
     (choice,) = obj["choices"]
-    assert choice["message"] == {"role": "assistant", "content": "Hello", "refusal": None}
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": "Hello",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning_content": None,
+        "reasoning": None,
+    }
+    # vLLM's fields are present, null when not asked: clients read them as attributes
+    assert choice["token_ids"] is None and choice["stop_reason"] is None
+    assert obj["prompt_token_ids"] is None and obj["prompt_logprobs"] is None and "service_tier" in obj
     assert choice["finish_reason"] == "length"
     entries = choice["logprobs"]["content"]
     assert [e["token"] for e in entries] == ["Hel", "lo"]
@@ -189,3 +203,49 @@ def test_empty_deltas_are_skipped_and_completion_chunks():
     assert out[0]["object"] == "text_completion" and out[0]["choices"][0]["text"] == "é"
     assert "usage" not in out[0]
     assert w.usage_frame() == b""
+
+
+def test_completion_fields_are_null_unless_asked_and_stop_reason_names_the_stop_token():
+    col = Collector(1)
+    col.add([ReturnSample("!", [3], index=0, finish_reason="stop", num_generated_tokens=1)])
+    obj = completion_response("c", 1, "m", col.choices, 1, decode, with_logprobs=False, collectors=[col])
+    (choice,) = obj["choices"]
+    for key in ("token_ids", "prompt_token_ids", "prompt_logprobs", "stop_reason", "logprobs"):
+        assert key in choice and choice[key] is None, key
+    obj = completion_response(
+        "c",
+        1,
+        "m",
+        col.choices,
+        1,
+        decode,
+        False,
+        collectors=[col],
+        extras=Extras(stop_token_ids=frozenset({3})),
+    )
+    assert obj["choices"][0]["stop_reason"] == 3  # ended on a client stop token: vLLM names it
+
+
+def test_chat_stream_first_chunk_carries_prompt_ids_and_every_delta_has_content():
+    w = ChunkWriter(
+        operation="chat",
+        response_id="chatcmpl-1",
+        created=7,
+        model="m",
+        decode=token_id_string,
+        with_logprobs=True,
+        with_top=True,
+        include_usage=False,
+        extras=Extras(return_token_ids=True, tokens_as_ids=True, echo="Sure, "),
+    )
+    first, second = samples()
+    first = [dataclasses.replace(first[0], prompt_token_ids=[7, 8])]
+    objs = frames(w.role_frames([0], first[0]) + w.frames(first) + w.frames(second))
+    assert objs[0]["prompt_token_ids"] == [7, 8]  # the role chunk, the first of the stream
+    assert all("prompt_token_ids" not in o for o in objs[1:])
+    assert objs[1]["choices"][0]["delta"] == {"content": "Sure, "}  # chat echo follows the role chunk
+    assert [o["choices"][0]["delta"]["content"] for o in objs[2:]] == ["Hel", "lo"]
+    entry = objs[2]["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"] == "token_id:1" and entry["bytes"] is None  # return_tokens_as_token_ids
+    assert objs[2]["choices"][0]["token_ids"] == [1]
+    assert objs[3]["choices"][0]["finish_reason"] == "length" and objs[3]["choices"][0]["stop_reason"] is None

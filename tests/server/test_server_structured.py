@@ -232,3 +232,50 @@ def test_bad_input_is_a_400_naming_the_field(client, surge, kw, param):
         chat(client, **kw)
     assert e.value.body["param"] == param, e.value.body
     assert surge.metrics().prompt_tokens_total == before  # nothing reached the engine
+
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 99},
+        # unbounded, and long: 64 items cannot fit in the answer below
+        "landmarks": {
+            "type": "array",
+            "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+            "minItems": 64,
+        },
+    },
+    "required": ["name", "population_millions", "landmarks"],
+    "additionalProperties": False,
+}
+
+
+def test_json_follows_the_schemas_property_order_so_required_scalars_are_not_starved(client):
+    """Issue 37: keys were emitted sorted, so "landmarks" (an unbounded array) came before "name" and
+    "population_millions", and an answer cut at max_tokens had neither. In the schema's order they are
+    written first, whatever the array does after them."""
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=80, temperature=1.0, seed=seed, response_format=rf
+        )
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "length", text  # cut inside the 64-item array
+        assert text.startswith('{"name": "'), text
+        head = text[: text.index('"landmarks": [')]
+        parsed = json.loads(head.rstrip(", ") + "}")
+        assert list(parsed) == ["name", "population_millions"] and 0 <= parsed["population_millions"] <= 99
+    # a bounded array completes: the whole answer validates, keys in the schema's order
+    small = {**CITY, "properties": {**CITY["properties"], "landmarks": {**CITY["properties"]["landmarks"]}}}
+    small["properties"]["landmarks"].update(minItems=1, maxItems=2)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_tokens=120,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": small}},
+    )
+    answer = json.loads(r.choices[0].message.content)
+    jsonschema.validate(answer, small)
+    assert list(answer) == ["name", "population_millions", "landmarks"]

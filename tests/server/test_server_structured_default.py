@@ -102,3 +102,49 @@ def test_parse_pydantic_on_fifty_prompts(default_client):
         assert r.choices[0].finish_reason == "stop", msg.content
         assert isinstance(msg.parsed, Fact)
         jsonschema.validate(json.loads(msg.content), schema)
+
+
+CITIES = ["Paris", "Tokyo", "Cairo", "Lima", "Rome", "Sydney", "Toronto", "Mumbai"]
+CITY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "population_millions": {"type": "number"},
+        "landmarks": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "population_millions", "landmarks"],
+}
+
+
+def test_city_answers_keep_the_schemas_order(default_client):
+    """Issue 37's report: with keys sorted, "landmarks" (an unbounded array) came first and 3 of these 8
+    answers were cut at max_tokens=200 before "name" and "population_millions". In the schema's order both
+    are always written, first; an answer that still runs out inside the array has them."""
+
+    def one(city: str):
+        return default_client.chat.completions.create(
+            model="smol",
+            messages=[
+                {
+                    "role": "user",
+                    "content": f"Describe the city of {city} as JSON with its name, population in millions "
+                    "and landmarks.",
+                }
+            ],
+            max_tokens=200,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, CITIES))
+    for r in results:
+        text = r.choices[0].message.content
+        assert text.startswith('{"name": "'), text
+        assert '"population_millions": ' in text, text
+        if '"landmarks"' in text:  # a long number could use up the answer first: then there is none
+            assert text.index('"population_millions"') < text.index('"landmarks"'), text
+        if r.choices[0].finish_reason == "stop":
+            answer = json.loads(text)
+            jsonschema.validate(answer, CITY)
+            assert list(answer) == ["name", "population_millions", "landmarks"]

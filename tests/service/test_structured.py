@@ -115,8 +115,8 @@ def test_json_schema_mask_allows_valid_and_blocks_invalid(compiler):
     assert all(ok) and not eos_ok
     ok, _ = run(tok, g, '{"a": "x"}', eos)
     assert not all(ok)
-    # the same schema written in another key order is one cache entry
-    assert c.compile(GrammarSpec.json_schema(dict(reversed(list(schema.items()))))) is g
+    # the same schema (as written) is one cache entry
+    assert c.compile(GrammarSpec.json_schema(json.loads(json.dumps(schema)))) is g
     # padded ids past the tokenizer are never allowed
     row = allocate_bitmask(1, len(tok) + 6)[0]
     g.matcher().fill(row)
@@ -138,6 +138,36 @@ def test_regex_choice_and_grammar(compiler):
     assert all(run(tok, gbnf, "ab42", eos)[0])
     lark = c.compile(GrammarSpec.grammar('start: "x" NUM\nNUM: /[0-9]+/'))
     assert all(run(tok, lark, "x7", eos)[0])
+
+
+def test_json_schema_keeps_the_property_order(compiler):
+    """Properties come out in the schema's order, never sorted: required scalars listed before an unbounded
+    array are written before it (sorted, "landmarks" < "name" < "population_millions" would put the array
+    first and a length cut would leave the scalars out)."""
+    tok, c = compiler
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "population_millions": {"type": "integer"},
+            "landmarks": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["name", "population_millions", "landmarks"],
+    }
+    spec = GrammarSpec.json_schema(schema)
+    assert list(json.loads(spec.source)["properties"]) == ["name", "population_millions", "landmarks"]
+    g = c.compile(spec)
+    eos = tok.eos_token_id
+    ok, eos_ok = run(tok, g, '{"name": "Rome", "population_millions": 3, "landmarks": ["Colosseum"]}', eos)
+    assert all(ok) and eos_ok
+    # the sorted order is not a valid output of this schema
+    ok, _ = run(tok, g, '{"landmarks": [], "name": "Rome", "population_millions": 3}', eos)
+    assert not all(ok)
+    # another property order is another grammar (and cache entry), which accepts that order
+    reordered = {**schema, "properties": dict(reversed(list(schema["properties"].items())))}
+    g2 = c.compile(GrammarSpec.json_schema(reordered))
+    assert g2 is not g
+    assert all(run(tok, g2, '{"landmarks": [], "population_millions": 3, "name": "Rome"}', eos)[0])
 
 
 @pytest.mark.parametrize(

@@ -217,9 +217,13 @@ def make_slot_sampling(
 
 
 def _bias_row(p: SamplingParams) -> dict[int, float]:
-    """The slot's sparse row: allowed ids (bias 0) and logit_bias entries, each id once."""
+    """The slot's sparse row: allowed ids (bias 0) and logit_bias entries, each id once.
+
+    With allowed_token_ids, every id in the row counts as allowed (``restrict``), so a logit_bias entry for an
+    id outside the allowed set is dropped: it can never be sampled, and listing it would allow it."""
     row = dict.fromkeys(p.allowed_token_ids or (), 0.0)
-    row.update({int(t): float(b) for t, b in (p.logit_bias or {}).items()})
+    bias = {int(t): float(b) for t, b in (p.logit_bias or {}).items()}
+    row.update(bias if p.allowed_token_ids is None else {t: b for t, b in bias.items() if t in row})
     return row
 
 

@@ -28,12 +28,9 @@ from .generation import GenerationRoutes
 from .info_routes import InfoRoutes
 from .lifecycle import DRAINING, READY, STARTING, STOPPED, Lifecycle
 from .metrics import ServerMetrics
-from .parsing import (
-    read_json,
-)
+from .parsing import read_json
+from .token_routes import TokenRoutes
 from .tracing import Tracing
-
-log = logging.getLogger(__name__)
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +44,14 @@ _DRAIN_CAP_BYTES = 64 * 1024 * 1024
 _OFFLOAD_CHARS = 65536
 
 
-class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes):  # noqa: N801 - the seed's name
+class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # noqa: N801 - the seed's name
     """OpenAI-compatible HTTP server over `vsurge_map` (a vSurge, or {served name: vSurge}).
 
     `max_workers` and `oai_like_processor` are accepted for the seed's signature; the server is fully async
     and always applies the model's own chat template.
 
-    Split by job: Lifecycle (lifecycle.py), GenerationRoutes (generation.py), InfoRoutes (info_routes.py);
-    this class holds the shared state, the request helpers and the Starlette app.
+    Split by job: Lifecycle (lifecycle.py), GenerationRoutes (generation.py), InfoRoutes (info_routes.py),
+    TokenRoutes (token_routes.py); this class holds the shared state, the request helpers and the app.
     """
 
     def __init__(
@@ -111,11 +108,16 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes):  # noqa: N801 - 
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/invocations", self.invocations, methods=["POST"]),
             Route("/v1/models", self.available_inference, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/v1/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+            Route("/load", self.load, methods=["GET"]),
+            Route("/ping", self.ping, methods=["GET", "POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/liveness", self.liveness, methods=["GET"]),
             Route("/readiness", self.readiness, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -158,7 +160,12 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes):  # noqa: N801 - 
         ):
             raise errors.unauthorized()
 
-    def _model(self, name: str) -> ServedModel:
+    def _model(self, name: str | None) -> ServedModel:
+        """The model a request names; none named (vLLM's optional `model`): the first one served."""
+        if name is None:
+            if not self.models:
+                raise errors.model_not_found("")
+            return next(iter(self.models.values()))
         entry = self.models.get(name)
         if entry is None:
             raise errors.model_not_found(name)

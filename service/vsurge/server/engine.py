@@ -13,9 +13,7 @@ from starlette.responses import Response
 from vsurge.request import ReturnSample, vSurgeRequest
 
 from .errors import APIError
-from .shaping import (
-    TokenDecoder,
-)
+from .logprob_shapes import TokenDecoder
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +61,8 @@ class ServedModel:
     decode: TokenDecoder
     created: int = field(default_factory=lambda: int(time.time()))
     load_seconds: float | None = None
+    # where the weights came from (vLLM's model card `root`: the path or hub id); the name when unknown
+    root: str | None = None
 
 
 def _vocab_size(surge: ServedEngine) -> int | None:
@@ -78,13 +78,46 @@ def _decode(entry: ServedModel, ids: list[int]) -> str:
     return entry.processor.decode(ids) if entry.processor is not None else ""
 
 
+def public_root(source: str | None) -> str | None:
+    """A model source fit to show on the model card: a URI without user info, query or fragment (where
+    credentials or signed tokens could hide); paths and hub ids as given."""
+    if not source or "://" not in source:
+        return source
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(source)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
 def _model_card(m: ServedModel) -> dict[str, Any]:
+    """OpenAI's model object with vLLM's fields (root, parent, max_model_len, permission)."""
     return {
         "id": m.name,
         "object": "model",
         "created": m.created,
         "owned_by": "vsurge",
+        "root": m.root or m.name,
+        "parent": None,
         "max_model_len": m.max_length,
+        "permission": [
+            {
+                "id": f"modelperm-{m.name}",
+                "object": "model_permission",
+                "created": m.created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
     }
 
 

@@ -8,10 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from . import errors
-from .engine import ServedModel, _vocab_size
-from .shaping import (
-    TokenDecoder,
-)
+from .engine import ServedModel, _vocab_size, public_root
+from .logprob_shapes import TokenDecoder
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +23,11 @@ class Lifecycle:
     `drain_started_at`, `drain_timeout_s`, `fatal` and `owns_engines` set by its __init__.
     """
 
-    def add_model(self, name: str, surge: Any, *, load_seconds: float | None = None) -> ServedModel:
-        """Serve `surge` as `name`; it answers requests once the server is ready."""
+    def add_model(
+        self, name: str, surge: Any, *, load_seconds: float | None = None, root: str | None = None
+    ) -> ServedModel:
+        """Serve `surge` as `name`; it answers requests once the server is ready. `root`: where the weights
+        came from (a path or hub id), shown as the model card's `root`."""
         if name in self.models:
             raise ValueError(f"a model named {name!r} is already served")
         entry = ServedModel(
@@ -37,6 +38,7 @@ class Lifecycle:
             vocab_size=_vocab_size(surge),
             decode=TokenDecoder(surge.processor),
             load_seconds=load_seconds,
+            root=public_root(root),
         )
         self.models[name] = entry
         self.metrics.add_model(name, surge)

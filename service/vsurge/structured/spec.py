@@ -18,7 +18,7 @@ KINDS = ("json", "regex", "lark")
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: str  # one of KINDS
-    source: str  # the schema as canonical JSON text, the regex, or the Lark grammar
+    source: str  # the schema as compact JSON text in the client's key order, the regex, or the Lark grammar
     param: str = field(default="response_format", compare=False)
 
     def __post_init__(self) -> None:
@@ -27,8 +27,10 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool, param: str = "response_format") -> GrammarSpec:
-        # sort_keys: the same schema written in another key order hits the same cache entry
-        return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":")), param)
+        # Key order is kept, never sorted: llguidance emits an object's properties in the order the schema
+        # lists them (as OpenAI and vLLM do), and a sorted order could put an unbounded array before the
+        # required scalars and starve them at max_tokens. So the cache key is the schema as written.
+        return cls("json", json.dumps(schema, separators=(",", ":")), param)
 
     @classmethod
     def json_object(cls, param: str = "response_format") -> GrammarSpec:

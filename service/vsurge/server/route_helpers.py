@@ -1,0 +1,37 @@
+"""What every route outside generation shares: an APIError raised anywhere becomes its JSON answer."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from . import errors
+from .engine import _error_response
+from .errors import APIError
+
+log = logging.getLogger(__name__)
+
+_Route = Callable[[Any, Request], Awaitable[Response]]
+
+
+def answers_api_errors(route: _Route) -> _Route:
+    """For routes outside generation: an APIError raised anywhere in `route` becomes its JSON answer."""
+
+    @functools.wraps(route)
+    async def answer(self: Any, request: Request) -> Response:
+        try:
+            return await route(self, request)
+        except APIError as e:
+            return _error_response(e)
+        except Exception as e:  # never a plain-text 500 (and a reset kept-alive connection)
+            err = errors.from_exception(e)
+            if err.status >= 500:
+                log.exception("%s failed", request.url.path)
+            return _error_response(err)
+
+    return answer
