@@ -93,7 +93,7 @@ def test_logit_bias_and_allowed_ids_on_device():
     params = [
         plain,
         SamplingParams(temperature=0.0, logit_bias={banned_top: -100}),
-        SamplingParams(temperature=0.0, logit_bias={7: 100}),
+        SamplingParams(temperature=0.0, logit_bias={7: 100}, logprobs=True),
         SamplingParams(temperature=1.0, seed=3, allowed_token_ids=[3, 11, 42]),
     ]
     rows = make_slot_sampling(params)

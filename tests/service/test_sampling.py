@@ -393,6 +393,7 @@ def test_penalties_steer_greedy_like_the_reference():
         sps = [
             SP(
                 temperature=0.0,
+                logprobs=True,
                 presence_penalty=float(rng.uniform(-2, 2)),
                 frequency_penalty=float(rng.uniform(-2, 2)),
                 repetition_penalty=float(rng.uniform(0.5, 2.0)),
@@ -477,11 +478,12 @@ def test_min_tokens_suppresses_stop_ids_until_reached():
 def test_logprobs_are_raw_log_softmax():
     rng = np.random.default_rng(10)
     logits = rng.normal(size=(S_HIST, V)).astype(np.float32) * 3
+    lp = dict(logprobs=True, top_logprobs=K_TOP)
     sps = [
-        SP(temperature=0.0),
-        SP(temperature=0.5, top_k=3),
-        SP(temperature=1.9, presence_penalty=2.0),
-        SP(top_p=0.5),
+        SP(temperature=0.0, **lp),
+        SP(temperature=0.5, top_k=3, **lp),
+        SP(temperature=1.9, presence_penalty=2.0, **lp),
+        SP(top_p=0.5, **lp),
     ]
     sps = sps * (S_HIST // len(sps))
     counts = rng.integers(0, 2, size=(S_HIST, V))

@@ -5,6 +5,7 @@ compiler / matcher on a tiny trained tokenizer (cache, errors naming the field, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 
@@ -54,6 +55,8 @@ def test_mask_is_honoured_under_sampling_and_ones_rows_change_nothing():
     ]
     params[3] = SP(temperature=0.0)
     params[5] = SP(temperature=1.3, seed=5, repetition_penalty=1.5, frequency_penalty=0.5)
+    # logprobs are computed only when asked for: ask, to check them below
+    params = [dataclasses.replace(p, logprobs=True, top_logprobs=3) for p in params]
     sampling = make_slot_sampling(params)
     counts = jnp.asarray(rng.integers(0, 3, size=(s, V)).astype(np.int32))
     prompt = jnp.zeros((s, V), bool)
