@@ -33,12 +33,18 @@ def sharp_checkpoint(directory, **model) -> str:
 def greedy_steps(
     path: str, spec: str | None, attention: str, engine: dict
 ) -> tuple[list[list[int]], oEngine, tuple]:
+    """`greedy_tokens` of a new engine over the checkpoint at ``path``."""
+    model, tok = vsurge.load_model(path)
+    eng = oEngine(model, tok, EngineConfig(mesh=spec, attention=attention, **engine), kv_cache_bytes=2 << 20)
+    tokens, pages = greedy_tokens(eng)
+    return tokens, eng, pages
+
+
+def greedy_tokens(eng: oEngine) -> tuple[list[list[int]], tuple]:
     """Greedy tokens of PROMPTS through the mixed-step program oDriver runs (decode rows and prefill
     chunks in one forward; PROMPTS[0] in two chunks, its second while PROMPTS[1] decodes), the argmax
     taken here: sampling does not depend on the attention path, and its compile would cost more than
-    the rest of this file. One (rows, tokens) program serves every step."""
-    model, tok = vsurge.load_model(path)
-    eng = oEngine(model, tok, EngineConfig(mesh=spec, attention=attention, **engine), kv_cache_bytes=2 << 20)
+    the rest of a test. One (rows, tokens) program serves every step. Returns the tokens and the pages."""
     m, pages = eng.manager, eng.storage.allocate()
     r, p = eng.max_concurrent_decodes, eng.step_tokens[-1]
     fn, layout = eng._mixed[(r, p)], eng._layout(r, p)
@@ -67,4 +73,6 @@ def greedy_steps(
                 tokens[s], positions[s] = int(np.argmax(pf[k])), a + n
                 out[s].append(int(tokens[s]))
                 decoding.add(s)
-    return out, eng, pages
+    for slot in range(len(PROMPTS)):
+        m.free(slot)
+    return out, pages

@@ -38,10 +38,9 @@ from jax.sharding import PartitionSpec as P
 from ..engine_config import EngineConfig
 from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
 from ..models.pallas_sharded import configure as configure_attention
-from ..models.pallas_sharded import current as current_attention
-from ..models.pallas_sharded import demote as demote_attention
 from ..sampling_params import SamplingParams
 from .engine_base import EngineBase, _doubling, compile_jobs, constrain, decode_buckets, sampling_context
+from .kernel_fallback import compile_with_fallback
 from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
 from .paging import HBMPageManager, PagedAttentionCache
 from .sampling import (
@@ -432,29 +431,10 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
 
         As in vEngine: the programs are lowered and compiled in parallel threads, then each runs once on
         the real state (page tables all scratch, so nothing real is written). That state is kept for the
-        driver, so the cache is never allocated twice. If the TPU kernel's programs fail (a Mosaic
-        lowering or compile error), the engine falls back to the pure-JAX path, logged with the reason,
-        and compiles again: a start never crash-loops on the kernel.
+        driver, so the cache is never allocated twice. If the TPU kernel's programs fail to lower or
+        compile, the engine falls back to the pure-JAX path, logged with the reason (kernel_fallback.py).
         """
-        t0 = time.perf_counter()
-        try:
-            return self._compile(progress)
-        except Exception as e:  # noqa: BLE001 - whatever the kernel raised, the JAX path may still serve
-            if not current_attention().pallas:
-                raise
-            self._fall_back_from_kernel(e)
-        self._compile(progress)
-        return time.perf_counter() - t0  # the failed attempt included: it is part of this start
-
-    def _fall_back_from_kernel(self, error: BaseException) -> None:
-        """Serve on the pure-JAX path: the same number of pages (the page manager, and the driver's
-        scheduler holding it, stay valid) in the JAX layout, and the programs rebuilt over it."""
-        lines = [ln for ln in str(error).strip().splitlines() if ln.strip()]
-        reason = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
-        demote_attention(reason)
-        self._spare = None  # the kernel layout's state, if compile() got that far
-        self.storage = self.storage.for_jax_path()
-        self._make_programs()
+        return compile_with_fallback(self, partial(self._compile, progress))  # kernel_fallback.py
 
     def _compile(self, progress: Callable[[str], None] | None) -> float:
         say = progress or log.info
