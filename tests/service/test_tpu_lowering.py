@@ -147,6 +147,28 @@ def test_decode_backend_of_the_8b_shape_lowers_on_one_chip():
     assert _scoped_vmem(exported) == [kt.GENERATIONS["v5e"].vmem_limit[kt.DECODE]]
 
 
+@pytest.mark.parametrize("spec", ["tp=1", "tp=8"])
+def test_engine_mixed_step_programs_lower_for_tpu(tiny_checkpoint, spec):
+    """oEngine built as on a v5e (inside the target: kernel path, pages padded and replicated) and its
+    own mixed-step programs (decode only and with chunk tokens: both kernel shape classes) exported for
+    it, the model around the kernel included. How the engine's whole start can be lowered in CI."""
+    import vsurge
+    from vsurge.engines.kernel_fallback import abstract_step_args
+    from vsurge.engines.oengine import oEngine
+
+    model, tok = vsurge.load_model(tiny_checkpoint("llama", heads=8, kv_heads=2, head_dim=64)[0])
+    with tl.targeting("v5e", spec):
+        eng = oEngine(model, tok, mesh=spec, max_concurrent_decodes=4, max_length=64, prefill_lengths=[16])
+    assert (
+        ps.current().kernel == "mosaic" and eng.storage.layout == "combined" and eng.storage.head_dim == 128
+    )
+    for rows, tokens in [(4, 0), (4, eng.step_tokens[-1])]:
+        args = abstract_step_args(eng, rows, tokens)
+        exported = tl.lower_for_tpu(eng._mixed[(rows, tokens)], *args, generation="v5e", mesh=eng.mesh)
+        assert tl.mosaic_kernels(exported) == ["ragged_paged_attention_kernel"]
+        assert exported.nr_devices == eng.mesh.devices.size
+
+
 def test_unpadded_head_dim_64_does_not_lower():
     """Why the layout pads: the same kernel call on pages of head_dim 64 fails in the kernel's lowering
     (as it did on the chip), so a failure to lower is seen here, in CI, not at a TPU's start."""

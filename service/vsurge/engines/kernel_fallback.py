@@ -47,7 +47,10 @@ def fall_back(engine: Any, error: BaseException) -> str:
     return reason
 
 
-def _abstract_step_args(engine: Any, rows: int, tokens: int) -> tuple:
+def abstract_step_args(engine: Any, rows: int, tokens: int) -> tuple:
+    """Arguments of the engine's (rows, tokens) mixed-step program with the shapes and shardings of the
+    real ones, nothing allocated (the weights are the engine's own): to lower it, here or for a TPU
+    (models/tpu_lowering.py)."""
     storage, rep = engine.storage, engine._replicated()
 
     def sds(shape, dtype, sharding):
@@ -73,7 +76,7 @@ def check_kernel(engine: Any) -> str | None:
     rows = engine.step_rows[0]
     try:
         for tokens in sorted({engine.step_tokens[0], engine.step_tokens[-1]}):
-            engine._mixed[(rows, tokens)].lower(*_abstract_step_args(engine, rows, tokens))
+            engine._mixed[(rows, tokens)].lower(*abstract_step_args(engine, rows, tokens))
     except Exception as e:  # noqa: BLE001 - whatever the kernel raised, the JAX path may still serve
         return fall_back(engine, e)
     return None

@@ -27,7 +27,7 @@ is built; the traced programs read the setting (one attention setting per proces
 ``VSURGE_PALLAS_KERNEL`` (mosaic, interpret, reference) forces the implementation on the kernel path: e.g.
 the reference on a TPU, to compare the chip's kernel with it, or mosaic off TPU, where it cannot compile
 (the engine's compile-failure fallback is tested that way). If the kernel's programs fail to lower or
-compile at start, the engine calls `demote` and serves on the pure-JAX path (engines/oengine.py).
+compile at start, the engine calls `demote` and serves on the pure-JAX path (engines/kernel_fallback.py).
 
 The kernel's block sizes and VMEM limit are always passed (JAX's own lookup reads the local device and
 raises off TPU), from models/kernel_tables.py for the target chip: the TPU being lowered for
@@ -57,7 +57,6 @@ KERNELS = ("mosaic", "interpret", "reference")
 KERNEL_ENV = "VSURGE_PALLAS_KERNEL"
 _NEG = -1e30
 _LANES = 128  # the kernel keeps its softmax statistics in 128-lane rows (kv_layout pads head_dim to it)
-__all__ = ["kv_heads_error"]  # re-exported: the refusal's wording lives with the layout
 
 
 @dataclasses.dataclass(frozen=True)

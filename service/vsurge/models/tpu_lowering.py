@@ -84,8 +84,8 @@ def lower_for_tpu(
 
 
 def mosaic_kernels(exported: jax.export.Exported | str) -> list[str]:
-    """The Mosaic (Pallas TPU) kernels called in an exported module (or its text), by kernel name, one
-    entry per call."""
+    """The Mosaic (Pallas TPU) kernels in an exported module (or its text), by kernel name: one entry per
+    custom call in the text (a jitted kernel called by every layer is one private function, one entry)."""
     text = exported if isinstance(exported, str) else exported.mlir_module()
     names = []
     for line in text.splitlines():
