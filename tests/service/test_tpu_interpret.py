@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_greedy import greedy_steps, sharp_checkpoint
 
 import vsurge
 from vsurge.cli import parse_serve_config
 from vsurge.engine_config import EngineConfig
-from vsurge.engines.mixed_step import ChunkWork, pack_meta
 from vsurge.engines.oengine import oEngine
 from vsurge.models import pallas_sharded as ps
 from vsurge.models.paged_attention import (
@@ -43,8 +43,6 @@ ENGINE = dict(
     min_decode_tokens=32,
     enable_prefix_caching=False,
 )
-PROMPTS = [list(range(3, 23)), [5, 6, 7]]  # 20 tokens: a chunk of 16, then one of 4 (after a prefix)
-STEPS = 8
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 
@@ -159,64 +157,14 @@ def test_call_sites_in_shard_map_equal_pure_jax():
 # ------------------------------------------------------------------------------------------ the engine
 
 
-def _greedy(path: str, spec: str | None, attention: str) -> tuple[list[list[int]], oEngine, tuple]:
-    """Greedy tokens of PROMPTS through the mixed-step program oDriver runs (decode rows and prefill
-    chunks in one forward; PROMPTS[0] in two chunks, its second while PROMPTS[1] decodes), the argmax
-    taken here: sampling does not depend on the attention path, and its compile would cost more than
-    the rest of this file. One (rows, tokens) program serves every step."""
-    model, tok = vsurge.load_model(path)
-    eng = oEngine(model, tok, EngineConfig(mesh=spec, attention=attention, **ENGINE), kv_cache_bytes=2 << 20)
-    m, pages = eng.manager, eng.storage.allocate()
-    r, p = eng.max_concurrent_decodes, eng.step_tokens[-1]
-    fn, layout = eng._mixed[(r, p)], eng._layout(r, p)
-    table = np.zeros((r, eng.table_width), np.int32)
-    for slot, prompt in enumerate(PROMPTS):
-        assert m.allocate(slot, len(prompt) + STEPS) is not None
-        table[slot, : len(m.table(slot))] = m.table(slot)
-    put = lambda x: jax.device_put(x, eng._replicated())  # noqa: E731
-    dev_table = put(table)
-    todo = {0: [(0, 16), (16, len(PROMPTS[0]) - 16)], 1: [(0, len(PROMPTS[1]))]}
-    tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
-    out: list[list[int]] = [[] for _ in PROMPTS]
-    decoding: set[int] = set()
-    while any(len(row) < STEPS for row in out):
-        chunks = [(slot, *todo[slot].pop(0)) for slot in todo if todo[slot]]
-        active = np.array([s in decoding and len(out[s]) < STEPS for s in range(r)], np.int32)
-        work = [ChunkWork(np.asarray(PROMPTS[s][a : a + n], np.int32), a, table[s], s) for s, a, n in chunks]
-        meta = pack_meta(layout, work, active)
-        pages, dec, pf = fn(eng.params, pages, put(tokens), put(positions), dev_table, meta)
-        for s in np.flatnonzero(active):
-            tokens[s] = int(np.argmax(dec[s]))
-            positions[s] += 1
-            out[s].append(int(tokens[s]))
-        for k, (s, a, n) in enumerate(chunks):
-            if a + n == len(PROMPTS[s]):  # the final chunk: its first token, then it decodes
-                tokens[s], positions[s] = int(np.argmax(pf[k])), a + n
-                out[s].append(int(tokens[s]))
-                decoding.add(s)
-    return out, eng, pages
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny random Llama whose attention is sharp: weights this small attend almost uniformly, so an
-    attention bug (scale, mask, a head read from the wrong shard) would barely move a token."""
-    import torch
-    from tiny_models import make_checkpoint
-
-    d = tmp_path_factory.mktemp("sharp-llama")
-    model = make_checkpoint(d, **MODEL)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
-    model.save_pretrained(d)
-    return str(d)
+    return sharp_checkpoint(tmp_path_factory.mktemp("sharp-llama"), **MODEL)
 
 
 @pytest.fixture(scope="module")
 def jax_tokens(checkpoint):
-    tokens, _, _ = _greedy(checkpoint, None, "jax")
+    tokens, _, _ = greedy_steps(checkpoint, None, "jax", ENGINE)
     ps.reset()
     return tokens
 
@@ -234,7 +182,7 @@ ENGINE_MESHES = [
 @pytest.mark.parametrize("spec", ENGINE_MESHES)
 def test_engine_greedy_tokens_pallas_equal_jax(checkpoint, jax_tokens, spec):
     t0 = time.perf_counter()
-    tokens, eng, pages = _greedy(checkpoint, spec, "pallas")
+    tokens, eng, pages = greedy_steps(checkpoint, spec, "pallas", ENGINE)
     setup = ps.current()
     assert setup.pallas and setup.kernel == _kernel_here(), setup
     assert eng.storage.layout == "combined"  # the kernel's layout: K/V interleaved per head
@@ -262,15 +210,19 @@ def test_attention_switch_and_its_variable():
     assert ps.configure("pallas", None).pallas and use_pallas()
 
 
-def test_kv_heads_that_tp_does_not_divide_are_refused(tiny_checkpoint):
-    """No silent replication of the whole cache: the engine refuses at start-up, naming the numbers."""
-    path, _ = tiny_checkpoint("llama", heads=4, kv_heads=2)
+def test_kv_heads_no_tp_layout_splits_are_refused(tiny_checkpoint):
+    """Where tp neither divides the kv heads nor is a multiple of them, no layout gives every shard
+    whole heads: the engine refuses at start-up, naming the numbers and the tp sizes that work (kv heads
+    that divide tp are served replicated: test_paged_layouts.py)."""
+    path, _ = tiny_checkpoint("llama", heads=6, kv_heads=3, hidden=48)
     model, tok = vsurge.load_model(path)
     for attention in ("jax", "pallas"):
-        with pytest.raises(
-            ValueError, match=r"2 kv heads \(4 query heads\), which tp=4 does not divide; use tp in \[1, 2\]"
-        ):
-            oEngine(model, tok, EngineConfig(mesh="tp=4", attention=attention, **ENGINE))
-    assert ps.kv_heads_error(9, 3, 3) is None
-    assert "head_dim 64 is not a multiple of 128" in ps.kernel_shape_error(9, 3, 64, jnp.bfloat16)
+        with pytest.raises(ValueError, match=r"3 kv heads \(6 query heads\) and tp=2.*use tp in \[1, 3, 6\]"):
+            oEngine(model, tok, EngineConfig(mesh="tp=2", attention=attention, **ENGINE))
+    assert ps.kv_heads_error(9, 3, 3) is None and ps.kv_heads_error(8, 2, 8) is None
+    assert ps.kv_heads_error(4, 2, 8) is not None  # query heads must split over tp too
+    # any head_dim takes the kernel (padded); the kv heads per shard must still tile
+    assert ps.kernel_shape_error(32, 8, 64, jnp.bfloat16) is None
     assert ps.kernel_shape_error(32, 8, 128, jnp.bfloat16, tp=8) is None
+    assert ps.kernel_shape_error(32, 2, 64, jnp.bfloat16, tp=8) is None  # one replicated head per shard
+    assert "cannot be tiled for int8" in ps.kernel_shape_error(32, 8, 128, jnp.int8, tp=8)

@@ -40,6 +40,7 @@ from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
 from ..models.pallas_sharded import configure as configure_attention
 from ..sampling_params import SamplingParams
 from .engine_base import EngineBase, _doubling, compile_jobs, constrain, decode_buckets, sampling_context
+from .kernel_fallback import compile_with_fallback
 from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
 from .paging import HBMPageManager, PagedAttentionCache
 from .sampling import (
@@ -176,10 +177,9 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         cfg = model.config
         # the largest bucket is the largest chunk; longer prompts are prefilled in several chunks
         self._setup(model, processor, config)
-        # before the cache (the backend picks its layout); refuses kv heads that tp does not divide
+        # before the cache (the backend picks its layout); refuses kv heads no tp layout can split
         configure_attention(config.attention, self.mesh, cfg, model.dtype)
         mesh, page_size, min_decode_tokens = self.mesh, config.page_size, config.min_decode_tokens
-        num_top_logprobs = self.num_top_logprobs
         if storage is None:
             storage = PagedAttentionCache.create(
                 cfg,
@@ -206,9 +206,28 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
                 "hbm_utilization or lower max_length"
             )
         self.page_buckets = page_buckets(self.max_length, self.page_size, min_decode_tokens)
+        self.token_budget = resolve_token_budget(config.max_num_batched_tokens, self.max_concurrent_decodes)
+        self.step_seqs = min(STEP_SEQS, self.max_concurrent_decodes)
+        # a step's chunk tokens never exceed the budget, nor usefully max_length (one prompt's worth)
+        self.step_tokens = step_token_buckets(min(self.token_budget, self.max_length))
+        # a prefill-only step runs with the smallest row count, all rows idle: one program fewer per
+        # chunk bucket to compile, for the cost of a few idle rows
+        self.step_rows = list(self.decode_rows)
+        self._make_programs()
+        # compile() also covers prefill_chunk/decode when set (oDriver runs only the mixed step; the
+        # per-sequence programs stay for direct use and compile on first call)
+        self.legacy_programs = False
+        self.chunked = self._make_chunked()  # prompt logprobs only (prefill itself is paged)
+        self._zeros_v: jax.Array | None = None
+        self._spare: PagedState | None = None
+        self.compiled = False
+
+    def _make_programs(self) -> None:
+        """The jitted programs over the cache (again after a fall back from the kernel: the pages' tree
+        and shardings change with their layout)."""
+        ps, num_top_logprobs = self.page_size, self.num_top_logprobs
         self._state_shardings = self._make_state_shardings()
         shardings = self._state_shardings
-        ps = self.page_size
         # the model programs are per shape; the sampler is compiled once per row count (it dominates
         # compile time), and seating a sequence once in all
         self._prefill = {
@@ -236,13 +255,6 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
         }
         self._sample = self._samplers(shardings)
         # the mixed step (mixed_step.py): (decode rows, chunk tokens) programs, and seating after a chunk
-        self.token_budget = resolve_token_budget(config.max_num_batched_tokens, self.max_concurrent_decodes)
-        self.step_seqs = min(STEP_SEQS, self.max_concurrent_decodes)
-        # a step's chunk tokens never exceed the budget, nor usefully max_length (one prompt's worth)
-        self.step_tokens = step_token_buckets(min(self.token_budget, self.max_length))
-        # a prefill-only step runs with the smallest row count, all rows idle: one program fewer per
-        # chunk bucket to compile, for the cost of a few idle rows
-        self.step_rows = list(self.decode_rows)
         self._mixed = {
             (r, p): jax.jit(
                 partial(mixed_forward, self.graphdef, layout=self._layout(r, p), page_size=ps),
@@ -255,13 +267,6 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             partial(seat_chunk, seat=partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings)),
             donate_argnums=(0,),
         )
-        # compile() also covers prefill_chunk/decode when set (oDriver runs only the mixed step; the
-        # per-sequence programs stay for direct use and compile on first call)
-        self.legacy_programs = False
-        self.chunked = self._make_chunked()  # prompt logprobs only (prefill itself is paged)
-        self._zeros_v: jax.Array | None = None
-        self._spare: PagedState | None = None
-        self.compiled = False
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -426,8 +431,12 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
 
         As in vEngine: the programs are lowered and compiled in parallel threads, then each runs once on
         the real state (page tables all scratch, so nothing real is written). That state is kept for the
-        driver, so the cache is never allocated twice.
+        driver, so the cache is never allocated twice. If the TPU kernel's programs fail to lower or
+        compile, the engine falls back to the pure-JAX path, logged with the reason (kernel_fallback.py).
         """
+        return compile_with_fallback(self, partial(self._compile, progress))  # kernel_fallback.py
+
+    def _compile(self, progress: Callable[[str], None] | None) -> float:
         say = progress or log.info
         t0 = time.perf_counter()
         state = self.init_decode_state()

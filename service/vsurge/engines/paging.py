@@ -21,6 +21,7 @@ out at once, so "free == total" means nothing is owned and nothing leaked.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Hashable, Sequence
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..models.kv_layout import KVLayout, kv_heads_error, kv_layout
 from ..models.paged_attention import use_pallas
 from ..models.sharding import kv_cache_sharding
 
@@ -56,9 +58,22 @@ def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> list[byte
     return out
 
 
-def bytes_per_page(cfg, page_size: int, dtype) -> int:
-    """Device bytes of one page over all layers (K and V)."""
-    return cfg.num_layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def bytes_per_page(cfg, page_size: int, dtype, kv: KVLayout | None = None) -> int:
+    """Device bytes of one page over all layers (K and V), over every shard: as the layout ``kv`` stores
+    them (replicated kv heads and padded lanes cost what they occupy), else the model's own."""
+    if kv is None:
+        kv = KVLayout(cfg.num_kv_heads, cfg.head_dim)
+    return cfg.num_layers * page_size * kv.bytes_per_token(dtype)
+
+
+def cache_layout(cfg, tp: int, kernel: bool) -> KVLayout:
+    """The paged layout for ``cfg`` on ``tp`` shards (``kernel``: read by the TPU kernel, so padded). A
+    model whose kv heads no layout can split (refused by the engine at configure) gets the model's
+    layout here, and the cache stays whole on every device (`PagedAttentionCache.sharding`)."""
+    heads = getattr(cfg, "num_heads", None)
+    if heads is not None and kv_heads_error(heads, cfg.num_kv_heads, tp) is None:
+        return kv_layout(heads, cfg.num_kv_heads, cfg.head_dim, tp, kernel=kernel)
+    return dataclasses.replace(kv_layout(1, 1, cfg.head_dim, 1, kernel=kernel), kv_heads=cfg.num_kv_heads)
 
 
 def kv_budget_bytes(
@@ -95,12 +110,13 @@ class PagedAttentionCache:
     num_pages: int
     page_size: int
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # as stored: the model's, or replicated for tp (kv_layout.py)
+    head_dim: int  # as stored: the model's, or padded to 128 lanes for the TPU kernel
     dtype: object = jnp.float32
     mesh: jax.sharding.Mesh | None = None
     device: jax.Device | None = None
     layout: str = "split"  # "split": (K, V) per layer; "combined": K/V interleaved (the TPU kernel's layout)
+    kv: KVLayout | None = None  # the model's heads -> the stored ones (None: stored as the model has them)
 
     @classmethod
     def create(
@@ -119,11 +135,14 @@ class PagedAttentionCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         devices = list(mesh.devices.flat) if mesh is not None else [device or jax.devices()[0]]
         budget, source = kv_budget_bytes(devices, hbm_utilization, kv_cache_bytes)
-        per_page = bytes_per_page(cfg, page_size, dtype)
+        layout = layout or ("combined" if use_pallas() else "split")
+        if layout not in ("split", "combined"):
+            raise ValueError(f"layout must be 'split' or 'combined', got {layout!r}")
+        tp = mesh.shape.get("tp", 1) if mesh is not None else 1
+        kv = cache_layout(cfg, tp, kernel=layout == "combined" and use_pallas())
+        per_page = bytes_per_page(cfg, page_size, dtype, kv)  # what the pages occupy, padding included
         # a page's heads are split over the tp axis when they divide: each device holds 1/shards of it
-        shards = 1
-        if mesh is not None and kv_cache_bytes is None and cfg.num_kv_heads % mesh.shape.get("tp", 1) == 0:
-            shards = mesh.shape.get("tp", 1)
+        shards = tp if kv_cache_bytes is None and kv.stored_kv_heads % tp == 0 else 1
         num_pages = int(budget * shards // per_page) - 1  # one page of the budget is the scratch page
         if num_pages < 1:
             raise ValueError(
@@ -131,14 +150,31 @@ class PagedAttentionCache:
                 "raise kv_cache_bytes / hbm_utilization or lower page_size"
             )
         log.info(
-            "KV cache: %d pages of %d tokens (%d bytes each, %s)", num_pages, page_size, per_page, source
+            "KV cache: %d pages of %d tokens (%d bytes each, %s); %s",
+            num_pages,
+            page_size,
+            per_page,
+            source,
+            kv.describe(dtype, cfg.num_layers),
         )
-        layout = layout or ("combined" if use_pallas() else "split")
-        if layout not in ("split", "combined"):
-            raise ValueError(f"layout must be 'split' or 'combined', got {layout!r}")
         return cls(
-            num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, mesh, device, layout
+            num_pages,
+            page_size,
+            cfg.num_layers,
+            kv.stored_kv_heads,
+            kv.padded_head_dim,
+            dtype,
+            mesh,
+            device,
+            layout,
+            kv,
         )
+
+    def for_jax_path(self) -> PagedAttentionCache:
+        """The same number of pages in the pure-JAX layout (split, the model's head_dim; replicated kv
+        heads kept): what the engine falls back to when the kernel cannot compile. Never larger."""
+        kv = dataclasses.replace(self.kv or KVLayout(self.num_kv_heads, self.head_dim), stored_head_dim=0)
+        return dataclasses.replace(self, head_dim=kv.head_dim, layout="split", kv=kv)
 
     @property
     def page_shape(self) -> tuple[int, ...]:

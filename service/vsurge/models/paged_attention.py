@@ -11,6 +11,9 @@ Two layouts of one layer's cache:
 * ``combined`` (TPU): one ``[num_pages, page_size, 2 * kv_heads, head_dim]`` with K at the even and V at
   the odd heads, the layout JAX's Pallas ragged paged attention kernel reads, so decode needs no copy.
 
+Either may store kv heads replicated for tp, and the combined one head_dim padded to 128 lanes for the
+kernel (kv_layout.py): K/V are fitted to the pages when written, queries padded at the kernel's call.
+
 New K/V are written into the pages first and read back after (read after write inside one program: the
 caller donates the cache, and nothing is copied). Decode on XLA:CPU/GPU walks the table in blocks of
 about 128 positions with an online softmax: each block's gather stays in cache, where gathering all
@@ -24,6 +27,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from .kv_layout import fit_kv
 
 _NEG = -1e30
 SCRATCH_PAGE = 0
@@ -45,12 +50,18 @@ def combine_kv(k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
 
 
 def write_kv(cache, k: jnp.ndarray, v: jnp.ndarray, page_ids: jnp.ndarray, offsets: jnp.ndarray):
-    """Scatter k, v [N, KVH, D] to (page_ids[N], offsets[N]); in place when the caller donates ``cache``."""
+    """Scatter k, v [N, KVH, D] to (page_ids[N], offsets[N]); in place when the caller donates ``cache``.
+
+    The pages may store more heads (kv heads replicated for tp) or wider ones (head_dim padded for the
+    TPU kernel) than the model computes: k and v are fitted to them (kv_layout.py)."""
     if isinstance(cache, tuple):
         kc, vc = cache
+        k, v = (fit_kv(x, kc.shape[-2], kc.shape[-1]) for x in (k, v))
         return kc.at[page_ids, offsets].set(k.astype(kc.dtype)), vc.at[page_ids, offsets].set(
             v.astype(vc.dtype)
         )
+    heads, width = cache.shape[-2] // 2, cache.shape[-1]
+    k, v = (fit_kv(x, heads, width) for x in (k, v))
     return cache.at[page_ids, offsets].set(combine_kv(k, v).astype(cache.dtype))
 
 
@@ -394,7 +405,14 @@ class PagedRaggedAttention:
             from .pallas_sharded import ragged_attention
 
             out = ragged_attention(
-                q[0], cache, kv_lens, page_indices, cu_q_lens, num_seqs, window=self.window
+                q[0],
+                cache,
+                kv_lens,
+                page_indices,
+                cu_q_lens,
+                num_seqs,
+                window=self.window,
+                num_decode=self.num_decode,
             )
             return out[None], cache
         out = ragged_paged_attention_xla(
