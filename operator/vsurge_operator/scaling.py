@@ -46,9 +46,9 @@ class ModelAutoscaler:
     async def step(self, body: Mapping[str, Any], now: float | None = None) -> Decision | None:
         """Returns the decision, or None when the model is not autoscaled or its spec is invalid."""
         now = time.monotonic() if now is None else now
-        if validation.validate(body, default_image=self.config.default_image):
+        if validation.validate(body, default_image=self.config.model_images()):
             return None  # the reconciler reports invalid specs
-        model = specmod.parse(body, default_image=self.config.default_image)
+        model = specmod.parse(body, default_image=self.config.model_images())
         if not model.autoscaling.enabled:
             self.reset()
             return None
