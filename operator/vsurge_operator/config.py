@@ -25,6 +25,11 @@ class OperatorConfig:
     api_timeout_seconds: float = 30.0
     # How often a model with autoscaling disabled is checked for it being enabled (no API calls).
     autoscaler_idle_poll_seconds: float = 2.0
+    # kopf peering: a peer silent for this long is dead, and a standby replica takes over (kopf's own
+    # default is 60 s; a shorter one bounds the failover, at one keep-alive patch every 5-10 s).
+    peering_lifetime_seconds: int = 15
+    # Port of the operator's /metrics (None: not served).
+    metrics_port: int | None = None
 
     def model_images(self) -> dict[str, str | None]:
         """The image of a model without spec.image, by its accelerator (tpu, gpu, cpu)."""
@@ -55,4 +60,10 @@ class OperatorConfig:
             autoscaler_idle_poll_seconds=num(
                 "VSURGE_OPERATOR_AUTOSCALER_IDLE_POLL_SECONDS", d.autoscaler_idle_poll_seconds
             ),
+            peering_lifetime_seconds=int(
+                num("VSURGE_OPERATOR_PEERING_LIFETIME_SECONDS", d.peering_lifetime_seconds)
+            ),
+            metrics_port=int(env["VSURGE_OPERATOR_METRICS_PORT"])
+            if env.get("VSURGE_OPERATOR_METRICS_PORT")
+            else None,
         )
