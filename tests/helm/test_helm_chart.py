@@ -501,7 +501,8 @@ def test_operator_high_availability(renders: dict[str, Rendered]) -> None:
     n = renders["namespaced"]
     assert {o["metadata"]["namespace"] for o in n.of_kind("KopfPeering")} == {"team-a", "team-b"}
     crds = [
-        c for c in yaml.safe_load_all((CHART_DIR / "crds" / "kopfpeerings.kopf.dev.yaml").read_text()) if c
+        yaml.safe_load((CHART_DIR / "crds" / f"{plural}.kopf.dev.yaml").read_text())
+        for plural in ("clusterkopfpeerings", "kopfpeerings")
     ]
     assert {(c["spec"]["names"]["kind"], c["spec"]["scope"]) for c in crds} == {
         ("ClusterKopfPeering", "Cluster"),
