@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# The vSurge operator image: kopf reconciling InferenceModels.
+# The vSurge operator image: kopf reconciling InferenceModels. The core install only (no serve extra): no JAX,
+# no model libraries, no storage clients (tests/operator/test_operator_lean_install.py proves it imports).
 # Build from the repository root (BuildKit reads docker/operator.Dockerfile.dockerignore):
 #   docker build -f docker/operator.Dockerfile -t vsurge-operator:0.1.0 .
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm

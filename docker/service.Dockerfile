@@ -2,8 +2,10 @@
 # The vSurge service image: `vsurge serve` on the model pods, `vsurge route` for the router.
 # Build from the repository root (BuildKit reads docker/service.Dockerfile.dockerignore):
 #   docker build -f docker/service.Dockerfile -t vsurge-service:0.1.0 .
-# The NVIDIA GPU variant (JAX's CUDA 12 wheels; the node's driver comes from the NVIDIA container runtime):
-#   docker build -f docker/service.Dockerfile --build-arg ACCELERATOR=cuda -t vsurge-service:0.1.0-cuda .
+# One image per accelerator (the chart's images.model.{tpu,gpu,cpu}; docker/build-images.sh builds all three):
+#   docker build -f docker/service.Dockerfile --build-arg ACCELERATOR=cuda -t vsurge-service-cuda:0.1.0 .
+#   docker build -f docker/service.Dockerfile --build-arg ACCELERATOR=cpu  -t vsurge-service-cpu:0.1.0 .
+# cuda: JAX's CUDA 12 wheels (the node's driver comes from the NVIDIA container runtime); cpu: JAX alone.
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -14,12 +16,12 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY operator ./operator
-# ACCELERATOR picks the extra: tpu (jax[tpu] brings libtpu from PyPI) or cuda (jax[cuda12] brings the CUDA
-# libraries as pip wheels, so no CUDA base image is needed). Either image also runs on CPU nodes.
+# ACCELERATOR picks the extras: serve (the engine) plus tpu (jax[tpu] brings libtpu from PyPI), cuda
+# (jax[cuda12] brings the CUDA libraries as pip wheels, so no CUDA base image is needed) or cpu (nothing more).
 ARG ACCELERATOR=tpu
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install --upgrade pip \
- && /opt/venv/bin/pip install ".[${ACCELERATOR}]"
+ && /opt/venv/bin/pip install ".[serve,${ACCELERATOR}]"
 
 FROM ${PYTHON_IMAGE}
 ARG VERSION=0.1.0

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import kopf
 
-from vsurge_operator import __version__, handlers
+from vsurge_operator import __version__, handlers, peering
 from vsurge_operator.config import OperatorConfig
 
 
@@ -54,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not coordinate with other operator instances through KopfPeering objects",
     )
     p.add_argument("-P", "--peering", dest="peering_name", default=None, help="KopfPeering name to use")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority (the highest live one is active); default: by seniority, see peering.py",
+    )
+    p.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=None,
+        help="seconds a silent peer counts as alive: how long a standby waits for a killed leader "
+        f"(default {OperatorConfig().peering_lifetime_seconds})",
+    )
     p.add_argument("--default-image", default=None, help="image for models whose spec.image is empty")
     p.add_argument("--resync-seconds", type=float, default=None, help="drift-repair interval per model")
     p.add_argument(
@@ -61,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--scrape-timeout-seconds", type=float, default=None, help="timeout of one /metrics scrape"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve the operator's Prometheus /metrics on this port"
     )
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("-d", "--debug", action="store_true")
@@ -77,6 +93,8 @@ def config_from_args(args: argparse.Namespace, base: OperatorConfig | None = Non
         "resync_seconds": args.resync_seconds,
         "retry_delay_seconds": args.retry_delay_seconds,
         "scrape_timeout_seconds": args.scrape_timeout_seconds,
+        "peering_lifetime_seconds": args.peering_lifetime,
+        "metrics_port": args.metrics_port,
     }
     return replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -98,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         clusterwide=not args.namespaces,
         standalone=args.standalone,
         peering_name=args.peering_name,
+        priority=args.priority if args.priority is not None else peering.seniority_priority(),
         liveness_endpoint=args.liveness_endpoint,
     )
     return 0

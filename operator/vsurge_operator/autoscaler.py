@@ -238,6 +238,56 @@ def decide(
     )
 
 
+def compact(history: History) -> History:
+    """The same decisions from less memory: per replica count only its latest recommendation.
+
+    ``decide`` reads recommendations only as the min and max over windows ending now, and a later equal
+    value stays inside any such window longer than an earlier one, so dropping the earlier one changes
+    nothing. The history then holds at most one entry per replica count, small enough for the status."""
+    latest: dict[int, float] = {}
+    for t, r in history.recommendations:
+        latest[r] = max(t, latest.get(r, t))
+    recs = tuple(sorted((t, r) for r, t in latest.items()))
+    return History(recs, tuple(sorted(history.events)))
+
+
+def merge(a: History, b: History) -> History:
+    """Both memories at once (an operator that takes over the model from another one): compacted."""
+    return compact(
+        History(
+            tuple(set(a.recommendations) | set(b.recommendations)),
+            tuple(set(a.events) | set(b.events)),
+        )
+    )
+
+
+def history_to_status(history: History) -> dict[str, list[list[float]]]:
+    """For status.autoscaler.history: times as Unix seconds (ms precision), values as written."""
+    h = compact(history)
+    return {
+        "recommendations": [[round(t, 3), r] for t, r in h.recommendations],
+        "events": [[round(t, 3), d] for t, d in h.events],
+    }
+
+
+def history_from_status(raw: object) -> History:
+    """Read status.autoscaler.history back; anything malformed is ignored (an empty memory is safe)."""
+    if not isinstance(raw, dict):
+        return History()
+
+    def pairs(key: str) -> tuple[tuple[float, int], ...]:
+        out = []
+        for item in raw.get(key) or []:
+            if isinstance(item, list | tuple) and len(item) == 2:
+                try:
+                    out.append((float(item[0]), int(item[1])))
+                except (TypeError, ValueError):
+                    continue
+        return tuple(out)
+
+    return History(pairs("recommendations"), pairs("events"))
+
+
 def without_last_event(history: History) -> History:
     """History as if the last scale event had not happened (the caller failed to apply it)."""
     return replace(history, events=history.events[:-1])

@@ -9,8 +9,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    # Image for models whose spec has none (the Helm chart fills spec.image for the models it creates).
+    # Image for models whose spec has none, per accelerator (the chart's images.model.{tpu,gpu,cpu}); an
+    # accelerator without one falls back to default_image.
     default_image: str | None = None
+    image_tpu: str | None = None
+    image_gpu: str | None = None
+    image_cpu: str | None = None
     # How often every model is re-reconciled to repair drift (an edited or deleted Deployment).
     resync_seconds: float = 30.0
     # Delay before retrying a reconcile that failed on a retriable API error (409, 429, 5xx).
@@ -21,6 +25,19 @@ class OperatorConfig:
     api_timeout_seconds: float = 30.0
     # How often a model with autoscaling disabled is checked for it being enabled (no API calls).
     autoscaler_idle_poll_seconds: float = 2.0
+    # kopf peering: a peer silent for this long is dead, and a standby replica takes over (kopf's own
+    # default is 60 s; a shorter one bounds the failover, at one keep-alive patch every 5-10 s).
+    peering_lifetime_seconds: int = 15
+    # Port of the operator's /metrics (None: not served).
+    metrics_port: int | None = None
+
+    def model_images(self) -> dict[str, str | None]:
+        """The image of a model without spec.image, by its accelerator (tpu, gpu, cpu)."""
+        return {
+            "tpu": self.image_tpu or self.default_image,
+            "gpu": self.image_gpu or self.default_image,
+            "cpu": self.image_cpu or self.default_image,
+        }
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -33,6 +50,9 @@ class OperatorConfig:
 
         return cls(
             default_image=env.get("VSURGE_OPERATOR_DEFAULT_IMAGE") or None,
+            image_tpu=env.get("VSURGE_OPERATOR_IMAGE_TPU") or None,
+            image_gpu=env.get("VSURGE_OPERATOR_IMAGE_GPU") or None,
+            image_cpu=env.get("VSURGE_OPERATOR_IMAGE_CPU") or None,
             resync_seconds=num("VSURGE_OPERATOR_RESYNC_SECONDS", d.resync_seconds),
             retry_delay_seconds=num("VSURGE_OPERATOR_RETRY_DELAY_SECONDS", d.retry_delay_seconds),
             scrape_timeout_seconds=num("VSURGE_OPERATOR_SCRAPE_TIMEOUT_SECONDS", d.scrape_timeout_seconds),
@@ -40,4 +60,10 @@ class OperatorConfig:
             autoscaler_idle_poll_seconds=num(
                 "VSURGE_OPERATOR_AUTOSCALER_IDLE_POLL_SECONDS", d.autoscaler_idle_poll_seconds
             ),
+            peering_lifetime_seconds=int(
+                num("VSURGE_OPERATOR_PEERING_LIFETIME_SECONDS", d.peering_lifetime_seconds)
+            ),
+            metrics_port=int(env["VSURGE_OPERATOR_METRICS_PORT"])
+            if env.get("VSURGE_OPERATOR_METRICS_PORT")
+            else None,
         )

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 import urllib3
 
-from vsurge_operator import apply, crd, kube, reconcile, scaling, tracing
+from vsurge_operator import apply, crd, kube, metrics, reconcile, scaling, tracing
 from vsurge_operator import spec as specmod
 from vsurge_operator.config import OperatorConfig
 
@@ -74,6 +75,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         # Handler failures are retried by our own TemporaryError delays, not kopf's 60 s default.
         settings.execution.default_backoff = config.retry_delay_seconds
         settings.networking.error_backoffs = (0.5, 1, 2, 4, 8)
+        # Several replicas, one active (kopf peering, when the chart's KopfPeering object exists).
+        settings.peering.lifetime = config.peering_lifetime_seconds
+        if config.metrics_port:
+            metrics.serve(config.metrics_port)
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -89,9 +94,13 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         uid = body.get("metadata", {}).get("uid", "")
         reconciler = reconcile.Reconciler(state.api, config, post_event)
         with state.lock(uid):
+            started = time.monotonic()
             try:
                 outcome = reconciler.reconcile(body, trigger=trigger)
+                result = "invalid" if outcome.errors else "ok"
+                metrics.observe_reconcile(trigger, result, time.monotonic() - started)
             except Exception as e:
+                metrics.observe_reconcile(trigger, "error", time.monotonic() - started)
                 reconciler.report_failure(body, e)
                 message = reconcile.describe(e)
                 if trigger == "timer":  # the next tick retries
@@ -137,11 +146,18 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             try:
                 decision = await scaler.step(body)
                 last_error = ""
+                if decision is not None and decision.scaled:
+                    meta = body.get("metadata", {})
+                    direction = "up" if decision.replicas > decision.current else "down"
+                    metrics.SCALE_EVENTS.labels(
+                        meta.get("namespace", ""), meta.get("name", ""), direction
+                    ).inc()
                 if decision is not None:
                     interval = specmod.autoscaling_from(
                         body.get("spec", {}).get("autoscaling")
                     ).interval_seconds
             except Exception as e:
+                metrics.AUTOSCALER_ERRORS.inc()
                 message = f"autoscaler pass failed: {reconcile.describe(e)}"
                 logger.warning("%s: %s", body.get("metadata", {}).get("name"), message)
                 if message != last_error:  # one Event per distinct failure, not one per interval

@@ -48,9 +48,10 @@ LEADER_WORKER_SET = Resource("leaderworkerset.x-k8s.io/v1", "leaderworkersets", 
 SERVICE = Resource("v1", "services", "Service")
 PDB = Resource("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget")
 POD = Resource("v1", "pods", "Pod")
+PVC = Resource("v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 INFERENCE_MODEL = Resource(crd.API_VERSION, crd.PLURAL, crd.KIND)
 
-BY_KIND = {r.kind: r for r in (DEPLOYMENT, LEADER_WORKER_SET, SERVICE, PDB, POD, INFERENCE_MODEL)}
+BY_KIND = {r.kind: r for r in (DEPLOYMENT, LEADER_WORKER_SET, SERVICE, PDB, POD, PVC, INFERENCE_MODEL)}
 
 
 def resource_of(obj: dict[str, Any]) -> Resource:

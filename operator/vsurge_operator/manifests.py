@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vsurge_operator import crd, gpu, tpu
+from vsurge_operator import compile_cache, crd, gpu, podsecurity, rollout, tpu
 from vsurge_operator.spec import HTTP_PORT, METRICS_PORT, ModelSpec
 
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -31,13 +31,12 @@ CONTAINER_NAME = "server"
 CACHE_DIR = "/var/cache/vsurge"
 MODEL_MOUNT = "/mnt/models"
 CREDENTIALS_DIR = "/var/run/secrets/vsurge/model-credentials"
-IMAGE_GID = 10001  # the vsurge user's group in the service image
+IMAGE_GID = podsecurity.IMAGE_GID  # the vsurge user's group in the service image
 
 # Loading weights and compiling every bucket takes minutes on a large slice; the startup probe gives the
 # server up to 30 minutes before the liveness probe takes over.
 STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURE_THRESHOLD = 180
-TERMINATION_GRACE_SECONDS = 60
 PROGRESS_DEADLINE_SECONDS = 3600
 
 
@@ -157,6 +156,10 @@ def env(model: ModelSpec) -> list[dict[str, Any]]:
     ]
     out += [_value_env(k, v) for k, v in optional if v is not None]
     out.append(_value_env("VSURGE_CACHE_DIR", CACHE_DIR))
+    # The image's HF_HOME is under its root filesystem, which is read-only here: keep it in the cache.
+    out.append(_value_env("HF_HOME", f"{CACHE_DIR}/huggingface"))
+    # SIGTERM waits this long for generations in flight; the grace period leaves room for it.
+    out.append(_value_env("VSURGE_DRAIN_TIMEOUT", model.drain_seconds))
     if model.credentials_secret:
         out.append(_value_env("VSURGE_CREDENTIALS_DIR", CREDENTIALS_DIR))
     if model.tracing is not None:
@@ -226,11 +229,14 @@ def container(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
         ],
         "env": env(model),
         "resources": resources(model),
-        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}],
+        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}, podsecurity.tmp_mount()],
         # `vsurge serve` writes why it stopped (e.g. "ModelSourceError: s3://...: access denied") to
         # /dev/termination-log; without it the log tail stands in. The operator reads it into status.
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": podsecurity.container_security_context(),
     }
+    if model.compile_cache is not None:
+        c["volumeMounts"].append(compile_cache.mount(CACHE_DIR))
     if model.image_pull_policy:
         c["imagePullPolicy"] = model.image_pull_policy
     if pvc_claim(model.source):
@@ -246,6 +252,8 @@ def container(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
         c["startupProbe"] = _probe("/liveness", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD)
         c["livenessProbe"] = _probe("/liveness", 10, 6)
         c["readinessProbe"] = _probe("/readiness", 5, 3)
+        # Only a pod that answers HTTP drains; multi-host workers follow their leader.
+        c["lifecycle"] = rollout.lifecycle()
     return c
 
 
@@ -257,6 +265,14 @@ def cache_volume(model: ModelSpec) -> dict[str, Any]:
         "name": "cache",
         "emptyDir": {"sizeLimit": model.cache_size_limit} if model.cache_size_limit else {},
     }
+
+
+def pod_volumes(model: ModelSpec) -> list[dict[str, Any]]:
+    vols = [cache_volume(model), podsecurity.tmp_volume()]
+    cc = compile_cache.volume(model)
+    if cc is not None:
+        vols.append(cc)
+    return vols
 
 
 def node_selector(model: ModelSpec) -> dict[str, str]:
@@ -284,12 +300,11 @@ def tolerations(model: ModelSpec) -> list[dict[str, Any]]:
 def pod_template(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "containers": [container(model, probes=probes)],
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-        "volumes": [cache_volume(model)],
+        "terminationGracePeriodSeconds": rollout.termination_grace_seconds(model),
+        # Pod Security Standard "restricted"; fsGroup makes claims writable for the image's user.
+        "securityContext": podsecurity.pod_security_context(),
+        "volumes": pod_volumes(model),
     }
-    if model.cache_claim:
-        # The image runs as uid/gid 10001 (docker/service.Dockerfile): make the claim writable for it.
-        pod_spec["securityContext"] = {"fsGroup": IMAGE_GID, "fsGroupChangePolicy": "OnRootMismatch"}
     if model.credentials_secret:
         pod_spec["volumes"].append(
             {
@@ -310,10 +325,23 @@ def pod_template(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
         pod_spec["tolerations"] = tol
     if model.service_account_name:
         pod_spec["serviceAccountName"] = model.service_account_name
+    sched = model.scheduling
+    if sched.affinity:
+        pod_spec["affinity"] = dict(sched.affinity)
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    if sched.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [dict(t) for t in sched.topology_spread_constraints]
+    if model.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in model.image_pull_secrets]
+    # The user's pod labels and annotations first: ours (the selector's) win.
     return {
         "metadata": {
-            "labels": labels(model),
-            "annotations": {"kubectl.kubernetes.io/default-container": CONTAINER_NAME},
+            "labels": {**model.pod_labels, **labels(model)},
+            "annotations": {
+                **model.pod_annotations,
+                "kubectl.kubernetes.io/default-container": CONTAINER_NAME,
+            },
         },
         "spec": pod_spec,
     }
@@ -327,8 +355,8 @@ def deployment(model: ModelSpec) -> dict[str, Any]:
         "spec": {
             "replicas": model.desired_replicas(),
             "selector": {"matchLabels": selector_labels(model)},
-            # Never drop below the serving capacity during a rollout: a new pod must be ready first.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            # spec.rollout: by default a new pod is ready before an old one goes (needs a spare slice).
+            "strategy": rollout.deployment_strategy(model),
             "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
             "template": pod_template(model),
         },
@@ -370,10 +398,7 @@ def leader_worker_set(model: ModelSpec) -> dict[str, Any]:
         "spec": {
             "replicas": model.desired_replicas(),
             "startupPolicy": "LeaderCreated",
-            "rolloutStrategy": {
-                "type": "RollingUpdate",
-                "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1},
-            },
+            "rolloutStrategy": rollout.lws_rollout_strategy(model),
             "leaderWorkerTemplate": {
                 # One pod per TPU host of the slice; a failed host restarts the whole group because a
                 # JAX program cannot continue with a missing process.
@@ -424,4 +449,8 @@ def pod_disruption_budget(model: ModelSpec) -> dict[str, Any]:
 
 def desired_objects(model: ModelSpec) -> list[dict[str, Any]]:
     """Everything the model needs, workload first."""
-    return [workload(model), service(model), pod_disruption_budget(model)]
+    objects = [workload(model), service(model), pod_disruption_budget(model)]
+    claim = compile_cache.claim(model, _metadata(model))
+    if claim is not None:
+        objects.append(claim)
+    return objects

@@ -72,7 +72,7 @@ class Reconciler:
         now = status.now_rfc3339()
         generation = int(body.get("metadata", {}).get("generation", 0) or 0)
 
-        errors = validation.validate(body, default_image=self.config.default_image)
+        errors = validation.validate(body, default_image=self.config.model_images())
         if errors:
             # Nothing is created or changed for an invalid spec; pods of an earlier valid spec keep serving.
             message = validation.format_errors(errors)
@@ -82,7 +82,7 @@ class Reconciler:
                 self.events(body, "Warning", "InvalidSpec", message)
             return Outcome(errors=errors, status_patch=patch)
 
-        model = specmod.parse(body, default_image=self.config.default_image)
+        model = specmod.parse(body, default_image=self.config.model_images())
         outcome = Outcome()
         for obj in manifests.desired_objects(model):
             try:

@@ -1,8 +1,11 @@
 """One autoscaler pass for one model: find its pods, scrape them, decide, scale, report.
 
-The decision history is kept in memory per model (like the HPA controller's). After an operator
-restart it starts empty, and :func:`~vsurge_operator.autoscaler.decide` then refuses to scale down
-before a full scale-down window has passed, so a restart never sheds capacity.
+The decision history (recent recommendations and scale events, like the HPA controller's) is kept in
+the model's ``status.autoscaler.history`` as well as in memory, with wall-clock times: when another
+operator replica takes over (kopf peering), it reads the history back and makes the same decisions
+(the same stabilization windows and rate limits) instead of starting blind. A model with no history at
+all starts with :func:`~vsurge_operator.autoscaler.decide`'s cautious default (no scale-down before a
+full scale-down window).
 """
 
 from __future__ import annotations
@@ -17,7 +20,16 @@ from kubernetes.client.exceptions import ApiException
 
 from vsurge_operator import kube, manifests, scraper, status, tracing, validation
 from vsurge_operator import spec as specmod
-from vsurge_operator.autoscaler import Decision, History, Policy, decide, without_last_event
+from vsurge_operator.autoscaler import (
+    Decision,
+    History,
+    Policy,
+    decide,
+    history_from_status,
+    history_to_status,
+    merge,
+    without_last_event,
+)
 from vsurge_operator.config import OperatorConfig
 from vsurge_operator.reconcile import EventSink
 
@@ -44,11 +56,13 @@ class ModelAutoscaler:
         self.history = History()
 
     async def step(self, body: Mapping[str, Any], now: float | None = None) -> Decision | None:
-        """Returns the decision, or None when the model is not autoscaled or its spec is invalid."""
-        now = time.monotonic() if now is None else now
-        if validation.validate(body, default_image=self.config.default_image):
+        """Returns the decision, or None when the model is not autoscaled or its spec is invalid.
+
+        ``now`` is Unix time (the history in the status must mean the same to every replica)."""
+        now = time.time() if now is None else now
+        if validation.validate(body, default_image=self.config.model_images()):
             return None  # the reconciler reports invalid specs
-        model = specmod.parse(body, default_image=self.config.default_image)
+        model = specmod.parse(body, default_image=self.config.model_images())
         if not model.autoscaling.enabled:
             self.reset()
             return None
@@ -65,6 +79,9 @@ class ModelAutoscaler:
             model=model.served_name,
             timeout=self.config.scrape_timeout_seconds,
         )
+        # What an earlier leader (or this process, before the last status write came back) remembered.
+        stored = ((body.get("status") or {}).get("autoscaler") or {}).get("history")
+        self.history = merge(self.history, history_from_status(stored))
         series = specmod.PROMETHEUS_SERIES[model.autoscaling.metric]
         samples = [r.sample(series) for r in results]
         policy = Policy.from_spec(model.autoscaling)
@@ -126,6 +143,7 @@ class ModelAutoscaler:
             "desiredReplicas": decision.replicas,
             "reason": decision.reason,
             "message": decision.message,
+            "history": history_to_status(decision.history),
         }
         old_block = previous.get("autoscaler") or {}
         if decision.scaled:

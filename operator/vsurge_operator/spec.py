@@ -72,6 +72,47 @@ class TracingSpec:
     service_name: str | None = None
 
 
+DEFAULT_DRAIN_SECONDS = 120
+DEFAULT_SURGE = 1
+DEFAULT_MAX_UNAVAILABLE = 0
+ACCELERATORS = ("tpu", "gpu", "cpu")
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """spec.rollout: pods added above, and taken below, the replica count during a rollout.
+
+    ``surge: 0`` replaces pods in place (``maxUnavailable`` of them at a time) for a node pool with no
+    spare slice; the default (1, 0) never drops below the serving capacity but needs room for one more."""
+
+    surge: int = DEFAULT_SURGE
+    max_unavailable: int = DEFAULT_MAX_UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class CompileCacheSpec:
+    """spec.compileCache: a PersistentVolumeClaim for the JAX compile cache (``$VSURGE_CACHE_DIR/jax``).
+
+    ``claim_name`` names an existing claim; otherwise the operator creates ``<model>-compile-cache``
+    of ``size`` (ReadWriteMany by default, so every replica reads what the first one compiled)."""
+
+    claim_name: str | None = None
+    size: str | None = None
+    storage_class_name: str | None = None
+    access_mode: str = "ReadWriteMany"
+
+
+@dataclass(frozen=True)
+class SchedulingSpec:
+    """spec.scheduling: where the pods may run, merged with what the accelerator needs."""
+
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class_name: str | None = None
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything the manifest builders need, with defaults resolved."""
@@ -98,6 +139,18 @@ class ModelSpec:
     credentials_secret: str | None = None  # spec.model.credentialsSecret
     cache_size_limit: str | None = None  # spec.cache.sizeLimit (emptyDir)
     cache_claim: str | None = None  # spec.cache.claimName (PVC)
+    scheduling: SchedulingSpec = field(default_factory=SchedulingSpec)
+    pod_labels: Mapping[str, str] = field(default_factory=dict)  # spec.podTemplate.metadata.labels
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
+    image_pull_secrets: tuple[str, ...] = ()
+    drain_seconds: int = DEFAULT_DRAIN_SECONDS
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    compile_cache: CompileCacheSpec | None = None
+
+    @property
+    def accelerator(self) -> str:
+        """tpu, gpu or cpu: picks the default image (the chart's images.model.<accelerator>)."""
+        return "tpu" if self.placement is not None else "gpu" if self.gpu is not None else "cpu"
 
     @property
     def multi_host(self) -> bool:
@@ -164,14 +217,64 @@ def engine_from(raw: Mapping[str, Any] | None) -> EngineSpec:
     return EngineSpec(**kwargs)
 
 
-def parse(body: Mapping[str, Any], *, default_image: str | None = None) -> ModelSpec:
-    """Build a :class:`ModelSpec` from a validated InferenceModel body."""
+def accelerator_of(spec: Mapping[str, Any]) -> str:
+    """tpu, gpu or cpu, from a (raw) InferenceModel spec."""
+    return "tpu" if spec.get("tpu") else "gpu" if spec.get("gpu") else "cpu"
+
+
+def pick_image(spec: Mapping[str, Any], default_image: str | Mapping[str, str] | None) -> str | None:
+    """spec.image, else the operator's image for the spec's accelerator (a mapping tpu/gpu/cpu), else
+    its single default image."""
+    if spec.get("image"):
+        return str(spec["image"])
+    if isinstance(default_image, Mapping):
+        return default_image.get(accelerator_of(spec)) or None
+    return default_image or None
+
+
+def scheduling_from(spec: Mapping[str, Any]) -> SchedulingSpec:
+    """spec.scheduling, with the older flat spec.nodeSelector / spec.tolerations merged in."""
+    raw = spec.get("scheduling") or {}
+    selector = {**(spec.get("nodeSelector") or {}), **(raw.get("nodeSelector") or {})}
+    tolerations = [*(spec.get("tolerations") or ()), *(raw.get("tolerations") or ())]
+    unique: list[Mapping[str, Any]] = []
+    for t in tolerations:
+        if t not in unique:
+            unique.append(t)
+    return SchedulingSpec(
+        node_selector=selector,
+        tolerations=tuple(unique),
+        affinity=raw.get("affinity") or None,
+        priority_class_name=raw.get("priorityClassName") or None,
+        topology_spread_constraints=tuple(raw.get("topologySpreadConstraints") or ()),
+    )
+
+
+def compile_cache_from(raw: Mapping[str, Any] | None) -> CompileCacheSpec | None:
+    if not raw:
+        return None
+    return CompileCacheSpec(
+        claim_name=raw.get("claimName") or None,
+        size=None if raw.get("size") is None else str(raw["size"]),
+        storage_class_name=raw.get("storageClassName") or None,
+        access_mode=raw.get("accessMode") or "ReadWriteMany",
+    )
+
+
+def parse(body: Mapping[str, Any], *, default_image: str | Mapping[str, str] | None = None) -> ModelSpec:
+    """Build a :class:`ModelSpec` from a validated InferenceModel body.
+
+    ``default_image`` is the operator's image for models without spec.image: one for all, or one per
+    accelerator (``{"tpu": ..., "gpu": ..., "cpu": ...}``)."""
     meta = body.get("metadata", {})
     spec = body.get("spec", {})
     model = spec.get("model", {})
     name = meta["name"]
     tpu_raw = spec.get("tpu")
     placement = tpu.placement(tpu_raw["accelerator"], tpu_raw["topology"]) if tpu_raw else None
+    scheduling = scheduling_from(spec)
+    template_meta = (spec.get("podTemplate") or {}).get("metadata") or {}
+    rollout = spec.get("rollout") or {}
     tracing_raw = spec.get("tracing")
     tracing = None
     if tracing_raw and tracing_raw.get("endpoint"):
@@ -187,7 +290,7 @@ def parse(body: Mapping[str, Any], *, default_image: str | None = None) -> Model
         generation=int(meta.get("generation", 0) or 0),
         source=model["source"],
         served_name=model.get("servedName") or name,
-        image=spec.get("image") or default_image or "",
+        image=pick_image(spec, default_image) or "",
         engine=engine_from(spec.get("engine")),
         placement=placement,
         gpu=gpu.placement(spec["gpu"]) if spec.get("gpu") else None,
@@ -197,12 +300,22 @@ def parse(body: Mapping[str, Any], *, default_image: str | None = None) -> Model
         image_pull_policy=spec.get("imagePullPolicy"),
         resources=spec.get("resources") or {},
         env=tuple(spec.get("env") or ()),
-        node_selector=spec.get("nodeSelector") or {},
-        tolerations=tuple(spec.get("tolerations") or ()),
+        node_selector=scheduling.node_selector,
+        tolerations=scheduling.tolerations,
         service_account_name=spec.get("serviceAccountName"),
         credentials_secret=model.get("credentialsSecret"),
         cache_size_limit=None
         if (spec.get("cache") or {}).get("sizeLimit") is None
         else str(spec["cache"]["sizeLimit"]),
         cache_claim=(spec.get("cache") or {}).get("claimName"),
+        scheduling=scheduling,
+        pod_labels=dict(template_meta.get("labels") or {}),
+        pod_annotations=dict(template_meta.get("annotations") or {}),
+        image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or () if s.get("name")),
+        drain_seconds=int(spec.get("drainSeconds", DEFAULT_DRAIN_SECONDS)),
+        rollout=RolloutSpec(
+            surge=int(rollout.get("surge", DEFAULT_SURGE)),
+            max_unavailable=int(rollout.get("maxUnavailable", DEFAULT_MAX_UNAVAILABLE)),
+        ),
+        compile_cache=compile_cache_from(spec.get("compileCache")),
     )

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vsurge_operator import gpu, tpu
+from vsurge_operator import gpu, podspec_validation, tpu
 from vsurge_operator import spec as specmod
 
 # Keep in sync with helm/vsurge/crds/inferencemodels.vsurge.io.yaml (tests compare them).
@@ -145,7 +145,9 @@ class _Checker:
                 self.fail(path, f"must be between {lo:g} and {hi:g} (got {value})")
 
 
-def validate(body: Mapping[str, Any], *, default_image: str | None = None) -> list[FieldError]:
+def validate(
+    body: Mapping[str, Any], *, default_image: str | Mapping[str, str | None] | None = None
+) -> list[FieldError]:
     """All problems of an InferenceModel body, in field order; empty when it can be reconciled."""
     c = _Checker()
     meta = c.mapping(body.get("metadata"), "metadata")
@@ -174,8 +176,11 @@ def validate(body: Mapping[str, Any], *, default_image: str | None = None) -> li
     c.string(spec.get("image"), "spec.image")
     if spec.get("image") == "":
         c.fail("spec.image", "must not be empty (omit it to use the operator's default image)")
-    elif not spec.get("image") and not default_image:
-        c.fail("spec.image", "is required (the operator has no default image configured)")
+    elif not specmod.pick_image(spec, default_image):
+        c.fail(
+            "spec.image",
+            f"is required (the operator has no default image for {specmod.accelerator_of(spec)} models)",
+        )
     c.string(spec.get("imagePullPolicy"), "spec.imagePullPolicy", choices=PULL_POLICIES)
     c.integer(spec.get("replicas"), "spec.replicas")
 
@@ -188,6 +193,7 @@ def validate(body: Mapping[str, Any], *, default_image: str | None = None) -> li
     _validate_autoscaling(c, c.mapping(spec.get("autoscaling"), "spec.autoscaling"))
     _validate_tracing(c, spec.get("tracing"))
     _validate_pod_overrides(c, spec, placement)
+    podspec_validation.validate(c, spec, placement)
     return c.errors
 
 

@@ -6,8 +6,8 @@ installs and uninstalls the chart for real (test_helm_install_for_real).
 The server must also keep what we wrote: kube-apiserver 1.20 silently drops fields it does not know, so
 each answer is compared with the rendered object (a field missing from the answer fails the test).
 
-Kinds no Kubernetes version serves come from other projects' CRDs: ServiceMonitor (Prometheus Operator)
-and PodMonitoring / ClusterPodMonitoring (Google Cloud Managed Prometheus). Their real CRDs are not
+Kinds no Kubernetes version serves come from other projects' CRDs: ServiceMonitor and PrometheusRule
+(Prometheus Operator) and PodMonitoring / ClusterPodMonitoring (Google Cloud Managed Prometheus). Their real CRDs are not
 available offline, so they are served here by permissive stand-in CRDs (scope as upstream, no schema):
 the server then checks their names, namespaces and scope, not their spec (tests/helm checks those fields).
 policy/v1 PodDisruptionBudget, which 1.20 lacks, is served by the kit's shim (typed spec).
@@ -30,6 +30,7 @@ STAND_IN_CRDS = [  # (group, kind, plural, scope)
     ("monitoring.coreos.com", "ServiceMonitor", "servicemonitors", "Namespaced"),
     ("monitoring.googleapis.com", "PodMonitoring", "podmonitorings", "Namespaced"),
     ("monitoring.googleapis.com", "ClusterPodMonitoring", "clusterpodmonitorings", "Cluster"),
+    ("monitoring.coreos.com", "PrometheusRule", "prometheusrules", "Namespaced"),
 ]
 
 
@@ -86,6 +87,12 @@ def stand_ins(k8s, tmp_path_factory) -> None:
         paths.append(folder / f"{crd[2]}.yaml")
         paths[-1].write_text(yaml.safe_dump(_stand_in(*crd)))
     # Applied and routed to the CRD server, and served, before it returns (the kit's own command).
+    # The chart's own kopf peering CRDs too (what `helm install` puts in first from crds/), so that they are
+    # served before the peering object is created (the kit routes a new CRD group a second after its apply).
+    paths += [
+        REPO / "helm" / "vsurge" / "crds" / f"{p}.kopf.dev.yaml"
+        for p in ("clusterkopfpeerings", "kopfpeerings")
+    ]
     p = subprocess.run(
         [str(KIT / "register-crd-group"), str(k8s.dir), "-f", *map(str, paths)],
         capture_output=True,
@@ -125,6 +132,7 @@ def test_every_rendered_object_is_accepted_by_the_server(k8s, stand_ins, scenari
             "ClusterRole",
             "ClusterRoleBinding",
             "ClusterPodMonitoring",
+            "ClusterKopfPeering",
         ):
             obj["metadata"]["namespace"] = release_ns  # as helm does for namespaced kinds
         try:

@@ -143,3 +143,23 @@ def test_printer_columns_and_scale_subresource_are_served(k8s, namespace):
     assert table["rows"][0]["cells"][:2] == ["cols", "default"]
     scale = api.request("GET", PATH.format(ns=namespace) + "/cols/scale")
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 2
+
+
+def test_cel_rules_of_the_pod_fields_are_enforced_by_the_server(k8s, namespace):
+    """The rules only CEL can state (tests/operator checks that the operator enforces them as well)."""
+    api = k8s.kube()
+    for field, doc in crd_cases.CEL_ONLY:
+        status = _rejection(api, namespace, doc)
+        assert status is not None, f"{field}: accepted by the server"
+        # A rule on a map names the map (spec.podTemplate.metadata.labels), the operator names the key.
+        server_field = field if ".labels." not in field else field[: field.index(".labels.") + len(".labels")]
+        assert _names_field(status, server_field), (field, status.get("message"))
+    # The defaults fill the rollout and the drain of a sparse spec.
+    stored = _post(api, namespace, {"metadata": {"name": "sparse"}, "spec": {"model": {"source": "default"}}})
+    assert stored["spec"]["drainSeconds"] == specmod.DEFAULT_DRAIN_SECONDS
+    assert stored["spec"]["rollout"] == {"surge": 1, "maxUnavailable": 0}
+    # surge 0 alone is refused (maxUnavailable defaults to 0); with maxUnavailable 1 it is the in-place rollout.
+    surge0 = {"metadata": {"name": "s0"}, "spec": {"model": {"source": "default"}, "rollout": {"surge": 0}}}
+    assert _rejection(api, namespace, surge0) is not None
+    surge0["spec"]["rollout"]["maxUnavailable"] = 1
+    assert _post(api, namespace, surge0)["spec"]["rollout"] == {"surge": 0, "maxUnavailable": 1}

@@ -27,7 +27,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 # The contract of each image: entrypoint, default command, what pip installs.
 CONTRACT = {
-    "service": {"entrypoint": ["vsurge"], "cmd": ["serve"], "install": ".[tpu]"},
+    "service": {"entrypoint": ["vsurge"], "cmd": ["serve"], "install": ".[serve,tpu]"},
     "operator": {"entrypoint": ["python", "-m", "vsurge_operator"], "cmd": None, "install": "."},
 }
 
@@ -123,15 +123,47 @@ def test_installs_the_project(image: str) -> None:
         assert extra in PYPROJECT["project"]["optional-dependencies"], f"pyproject has no extra {extra!r}"
 
 
-def test_service_image_has_a_cuda_variant() -> None:
-    # --build-arg ACCELERATOR=cuda installs the cuda extra: jax's CUDA 12 wheels
+def test_service_image_has_a_variant_per_accelerator() -> None:
+    # --build-arg ACCELERATOR=cuda|cpu: the engine (serve) plus jax's CUDA 12 wheels, or nothing more
     dockerfile = parse(DOCKERFILES["service"])
-    assert _installed(dockerfile, {"ACCELERATOR": "cuda"}) == [".[cuda]"]
-    cuda = PYPROJECT["project"]["optional-dependencies"]["cuda"]
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for accelerator in ("tpu", "cuda", "cpu"):
+        assert _installed(dockerfile, {"ACCELERATOR": accelerator}) == [f".[serve,{accelerator}]"]
+        assert "vsurge[serve]" in extras[accelerator], (
+            accelerator
+        )  # pip install "vsurge[cuda]" brings the engine
+    cuda = extras["cuda"]
     assert any(re.match(r"jax\[cuda12\]", dep) for dep in cuda), cuda
-    # the extra asks for the same jax as the core dependency (jax's extra pins its plugin to that version)
-    core = next(d for d in PYPROJECT["project"]["dependencies"] if re.match(r"jax\b", d))
-    assert cuda[0].removeprefix("jax[cuda12]") == core.removeprefix("jax")
+    # the extra asks for the same jax as the engine (jax's extra pins its plugin to that version)
+    engine_jax = next(d for d in extras["serve"] if re.match(r"jax\b", d))
+    cuda_jax = next(d for d in cuda if d.startswith("jax[cuda12]"))
+    assert cuda_jax.removeprefix("jax[cuda12]") == engine_jax.removeprefix("jax")
+    # docker/build-images.sh builds one image per accelerator, the names the chart's images.model expects
+    script = (REPO / "docker" / "build-images.sh").read_text()
+    for accelerator, repo in (
+        ("tpu", "vsurge-service"),
+        ("cuda", "vsurge-service-cuda"),
+        ("cpu", "vsurge-service-cpu"),
+    ):
+        assert f"ACCELERATOR={accelerator}" in script and f"/{repo}:" in script, accelerator
+
+
+def test_operator_image_installs_no_engine() -> None:
+    """The core dependencies (what the operator image installs) hold no engine, model or storage library."""
+    core = " ".join(PYPROJECT["project"]["dependencies"]).lower()
+    for heavy in (
+        "jax",
+        "flax",
+        "transformers",
+        "boto3",
+        "google-cloud-storage",
+        "huggingface",
+        "llguidance",
+        "torch",
+    ):
+        assert heavy not in core, heavy
+    for heavy in ("jax", "flax", "transformers", "boto3", "google-cloud-storage", "llguidance"):
+        assert any(d.startswith(heavy) for d in PYPROJECT["project"]["optional-dependencies"]["serve"]), heavy
 
 
 def test_service_image_entrypoint_is_the_cli() -> None:

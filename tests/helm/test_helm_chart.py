@@ -32,6 +32,9 @@ CRD_KINDS = {
         "monitoring.googleapis.com/v1",
         "ClusterPodMonitoring",
     ): "Managed Prometheus fields (test_monitors_valid)",
+    ("kopf.dev/v1", "ClusterKopfPeering"): "the chart's kopf peering CRDs (test_helm_operator_ha)",
+    ("kopf.dev/v1", "KopfPeering"): "the chart's kopf peering CRDs (test_helm_operator_ha)",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "PromQL parsed, names checked (test_helm_monitoring)",
 }
 
 # The exact set of objects each scenario renders: (kind, namespace or None for cluster-scoped, name).
@@ -48,6 +51,9 @@ _CLUSTER_WIDE: set[tuple[str, str | None, str]] = {
     ("Deployment", "vsurge-system", "vsurge-router"),
     ("Service", "vsurge-system", "vsurge-router"),
     ("PodDisruptionBudget", "vsurge-system", "vsurge-router"),
+    # Two operator replicas (one active, kopf peering) and a PDB that keeps one.
+    ("ClusterKopfPeering", None, "vsurge-operator"),
+    ("PodDisruptionBudget", "vsurge-system", "vsurge-operator"),
 }
 INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
     "defaults": _CLUSTER_WIDE | {("ServiceAccount", "vsurge-system", "vsurge-operator")},
@@ -62,6 +68,8 @@ INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
         ("ClusterPodMonitoring", None, "vsurge-models"),
         ("InferenceModel", "vsurge-system", "smollm2"),
         ("InferenceModel", "vsurge-system", "llama-3-8b"),
+        ("ConfigMap", "vsurge-system", "vsurge-dashboards"),
+        ("PrometheusRule", "vsurge-system", "vsurge"),
     },
     "namespaced": {
         ("ServiceAccount", "team-a", "vsurge-operator"),
@@ -78,6 +86,9 @@ INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
         ("Role", "team-b", "vsurge-router"),
         ("RoleBinding", "team-a", "vsurge-router"),
         ("RoleBinding", "team-b", "vsurge-router"),
+        ("KopfPeering", "team-a", "vsurge-operator"),
+        ("KopfPeering", "team-b", "vsurge-operator"),
+        ("PodDisruptionBudget", "team-a", "vsurge-operator"),
         ("Deployment", "team-a", "vsurge-operator"),
         ("Deployment", "team-a", "vsurge-router"),
         ("Service", "team-a", "vsurge-router"),
@@ -91,7 +102,13 @@ INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
     },
 }
 
-CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "ClusterPodMonitoring", "Namespace"}
+CLUSTER_SCOPED = {
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ClusterPodMonitoring",
+    "ClusterKopfPeering",
+    "Namespace",
+}
 
 
 def _pod_specs(r: Rendered) -> list[tuple[str, dict[str, Any]]]:
@@ -428,23 +445,69 @@ def test_pods_run_as_the_images_user(rendered: Rendered) -> None:
 def test_operator_arguments(renders: dict[str, Rendered]) -> None:
     for name, r in renders.items():
         c = _container(r, "vsurge-operator")
-        port = r.values.get("operator", {}).get("healthPort", 8080)
+        op = r.values.get("operator", {})
+        port = op.get("healthPort", 8080)
         assert f"--liveness=http://0.0.0.0:{port}/healthz" in c["args"], name
         assert [p["containerPort"] for p in c["ports"] if p["name"] == "health"] == [port]
+        metrics_port = op.get("metricsPort", 8081)
+        assert f"--metrics-port={metrics_port}" in c["args"], name
+        assert [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"] == [metrics_port]
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, (name, probe)
+        # Several replicas, one active through kopf peering on the chart's own peering object.
         deployment = r.get("Deployment", "vsurge-operator")
-        assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+        assert deployment["spec"]["replicas"] == op.get("replicas", 2)
+        assert deployment["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        }
+        assert "--peering=vsurge-operator" in c["args"]
+        assert f"--peering-lifetime={op.get('peeringLifetimeSeconds', 15)}" in c["args"]
+    peering = "--peering=vsurge-operator"
+    tail = ["--peering-lifetime=15", "--metrics-port=8081"]
     assert _container(renders["defaults"], "vsurge-operator")["args"] == [
         "--all-namespaces",
         "--liveness=http://0.0.0.0:8080/healthz",
+        peering,
+        *tail,
     ]
     assert _container(renders["namespaced"], "vsurge-operator")["args"] == [
         "--namespace=team-a",
         "--namespace=team-b",
         "--liveness=http://0.0.0.0:8080/healthz",
+        peering,
+        *tail,
     ]
     assert _container(renders["all-options"], "vsurge-operator")["args"][-1] == "--verbose"
+
+
+def test_operator_high_availability(renders: dict[str, Rendered]) -> None:
+    d = renders["defaults"]
+    pdb = d.get("PodDisruptionBudget", "vsurge-operator")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"] == d.get("Deployment", "vsurge-operator")["spec"]["selector"]
+    # By default the replicas prefer different nodes; a user's affinity replaces that.
+    anti = d.get("Deployment", "vsurge-operator")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    a = renders["all-options"]
+    assert (
+        "podAntiAffinity"
+        not in a.get("Deployment", "vsurge-operator")["spec"]["template"]["spec"]["affinity"]
+    )
+    assert a.get("PodDisruptionBudget", "vsurge-operator")["spec"]["minAvailable"] == 2
+    # The peering object the replicas elect on: cluster-wide, or one per watched namespace.
+    assert a.get("ClusterKopfPeering", "vsurge-operator")
+    n = renders["namespaced"]
+    assert {o["metadata"]["namespace"] for o in n.of_kind("KopfPeering")} == {"team-a", "team-b"}
+    crds = [
+        yaml.safe_load((CHART_DIR / "crds" / f"{plural}.kopf.dev.yaml").read_text())
+        for plural in ("clusterkopfpeerings", "kopfpeerings")
+    ]
+    assert {(c["spec"]["names"]["kind"], c["spec"]["scope"]) for c in crds} == {
+        ("ClusterKopfPeering", "Cluster"),
+        ("KopfPeering", "Namespaced"),
+    }
 
 
 def test_router_arguments(renders: dict[str, Rendered]) -> None:
@@ -496,14 +559,29 @@ def test_images(renders: dict[str, Rendered]) -> None:
     assert _container(a, "vsurge-router")["imagePullPolicy"] == "Always"
     for name, spec in _pod_specs(a):
         assert spec["imagePullSecrets"] == [{"name": "regcred"}], name
-    # A listed model gets the service image unless it names its own.
-    assert a.get("InferenceModel", "smollm2")["spec"]["image"] == service_image
-    n = renders["namespaced"]
-    assert n.get("InferenceModel", "smollm2")["spec"]["image"] == f"ghcr.io/vsurge-stack/vsurge-service:{app}"
-    # Models applied with kubectl without an image get the service image through the operator's default.
-    for r, image in ((d, f"ghcr.io/vsurge-stack/vsurge-service:{app}"), (a, service_image)):
+    # A listed model without an image is left to the operator, which picks images.model.<accelerator>.
+    assert "image" not in a.get("InferenceModel", "smollm2")["spec"]
+    assert "image" not in n_model(renders)["spec"]
+    for r, prefix in ((d, "ghcr.io/vsurge-stack/"), (a, "europe-docker.pkg.dev/example/vsurge/")):
         env = {e["name"]: e.get("value") for e in _container(r, "vsurge-operator")["env"]}
-        assert env["VSURGE_OPERATOR_DEFAULT_IMAGE"] == image
+        if r is d:
+            assert env["VSURGE_OPERATOR_IMAGE_TPU"] == f"{prefix}vsurge-service:{app}"
+            assert env["VSURGE_OPERATOR_IMAGE_GPU"] == f"{prefix}vsurge-service-cuda:{app}"
+            assert env["VSURGE_OPERATOR_IMAGE_CPU"] == f"{prefix}vsurge-service-cpu:{app}"
+        else:
+            assert env["VSURGE_OPERATOR_IMAGE_TPU"] == f"{prefix}vsurge-service:0.1.0-tpu"
+            assert env["VSURGE_OPERATOR_IMAGE_GPU"] == f"{prefix}vsurge-service:0.1.0-cuda"
+            assert env["VSURGE_OPERATOR_IMAGE_CPU"] == f"{prefix}vsurge-service:0.1.0-cpu"
+    # ...read by the operator's own configuration as the image per accelerator.
+    from vsurge_operator.config import OperatorConfig
+
+    env = {e["name"]: e.get("value") for e in _container(d, "vsurge-operator")["env"] if "value" in e}
+    images = OperatorConfig.from_env(env).model_images()
+    assert images["gpu"] == f"ghcr.io/vsurge-stack/vsurge-service-cuda:{app}"
+
+
+def n_model(renders: dict[str, Rendered]) -> dict[str, Any]:
+    return renders["namespaced"].get("InferenceModel", "smollm2")
 
 
 def test_models_from_values(renders: dict[str, Rendered]) -> None:
@@ -511,9 +589,7 @@ def test_models_from_values(renders: dict[str, Rendered]) -> None:
     listed = {m["name"]: m for m in r.values["models"]}
     for model in r.of_kind("InferenceModel"):
         source = listed[model["metadata"]["name"]]
-        expected = dict(source["spec"])
-        expected.setdefault("image", model["spec"]["image"])
-        assert model["spec"] == expected
+        assert model["spec"] == source["spec"]
         assert model["metadata"]["namespace"] == r.namespace
         assert source.get("labels", {}).items() <= model["metadata"]["labels"].items()
         assert model["metadata"].get("annotations", {}) == source.get("annotations", {})

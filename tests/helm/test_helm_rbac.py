@@ -37,6 +37,7 @@ OPERATOR_RECONCILE = _t(
         ("leaderworkerset.x-k8s.io", "leaderworkersets", "get list watch create patch delete"),  # multi-host
         ("", "services", "get list watch create patch delete"),
         ("policy", "poddisruptionbudgets", "get list watch create patch delete"),
+        ("", "persistentvolumeclaims", "get list watch create patch delete"),  # spec.compileCache.size
         ("", "pods", "get list watch"),  # ready pods of a model, to scrape their /metrics
         ("", "events", "create patch"),  # kopf's and the autoscaler's Events
     ]

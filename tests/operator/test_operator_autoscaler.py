@@ -15,7 +15,11 @@ from vsurge_operator.autoscaler import (
     History,
     PodSample,
     Policy,
+    compact,
     decide,
+    history_from_status,
+    history_to_status,
+    merge,
     recommend,
     without_last_event,
 )
@@ -345,3 +349,45 @@ def test_decision_is_always_within_bounds(policy, current, samples, history):
         # Without metrics, only the bounds may move the count.
         assert d.replicas == min(policy.max_replicas, max(policy.min_replicas, current)) or current == 0
     assert len(d.history.events) <= len(history.events) + 1
+
+
+# ------------------------------------------------------------------ the history kept in the status
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    policy=policies,
+    start=st.integers(1, 8),
+    steps=st.lists(
+        st.tuples(st.floats(1, 40), st.lists(st.floats(0, 1.0), min_size=1, max_size=8)), max_size=25
+    ),
+)
+def test_compacted_history_makes_the_same_decisions(policy, start, steps):
+    """What another operator replica reads back from the status decides exactly as the full memory."""
+    full = small = History()
+    current_full = current_small = start
+    now = 1000.0
+    for gap, values in steps:
+        now += gap
+        samples = pods(*values)
+        a = decide(current=current_full, samples=samples, policy=policy, history=full, now=now)
+        b = decide(current=current_small, samples=samples, policy=policy, history=small, now=now)
+        assert (a.replicas, a.reason) == (b.replicas, b.reason)
+        full, current_full = a.history, a.replicas
+        small, current_small = compact(b.history), b.replicas
+        # At most one recommendation per replica count survives: the status stays small.
+        assert len({r for _, r in small.recommendations}) == len(small.recommendations)
+
+
+def test_history_round_trips_through_the_status_and_merges():
+    h = History(((10.0, 3), (20.5, 4), (30.25, 3)), ((20.5, 1),))
+    stored = history_to_status(h)
+    assert stored == {"recommendations": [[20.5, 4], [30.25, 3]], "events": [[20.5, 1]]}
+    assert history_from_status(stored) == compact(h)
+    # Malformed input is ignored, never fatal (an empty memory is the cautious default).
+    assert history_from_status({"recommendations": [["x", 1], [1]], "events": None}) == History()
+    assert history_from_status("garbage") == History()
+    mine = History(((40.0, 5),), ())
+    assert merge(mine, history_from_status(stored)) == History(
+        ((20.5, 4), (30.25, 3), (40.0, 5)), ((20.5, 1),)
+    )

@@ -122,6 +122,41 @@ VALID = {
         autoscaling={"enabled": True, "minReplicas": 0, "metric": "prefillQueueSize", "target": 4},
     ),
     "local path": im(model={"source": "/models/llama"}, replicas=0),
+    "production pod fields": im(
+        scheduling={
+            "nodeSelector": {"pool": "serving"},
+            "tolerations": [
+                {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+            ],
+            "affinity": {
+                "podAntiAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 100,
+                            "podAffinityTerm": {
+                                "topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {"matchLabels": {"vsurge.io/model": "m"}},
+                            },
+                        }
+                    ]
+                }
+            },
+            "priorityClassName": "llm-serving",
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                }
+            ],
+        },
+        podTemplate={"metadata": {"labels": {"team": "search"}, "annotations": {"example.com/owner": "a b"}}},
+        imagePullSecrets=[{"name": "registry"}],
+        drainSeconds=600,
+        rollout={"surge": 0, "maxUnavailable": 1},
+        compileCache={"size": "20Gi", "storageClassName": "filestore", "accessMode": "ReadWriteMany"},
+    ),
+    "existing compile cache claim": im(compileCache={"claimName": "jax-cache"}, drainSeconds=0),
 }
 
 
@@ -182,6 +217,49 @@ BAD = [
         with_field(BASE, "spec.tolerations", [{"key": "k", "operator": "Maybe"}]),
     ),
     ("spec.serviceAccountName", with_field(BASE, "spec.serviceAccountName", "Bad_Name")),
+    ("spec.drainSeconds", with_field(BASE, "spec.drainSeconds", -1)),
+    ("spec.drainSeconds", with_field(BASE, "spec.drainSeconds", "120")),
+    ("spec.rollout.surge", with_field(BASE, "spec.rollout", {"surge": -1})),
+    ("spec.rollout.maxUnavailable", with_field(BASE, "spec.rollout", {"maxUnavailable": 101})),
+    ("spec.imagePullSecrets[0].name", with_field(BASE, "spec.imagePullSecrets", [{"name": "Bad_Secret"}])),
+    ("spec.imagePullSecrets[0].name", with_field(BASE, "spec.imagePullSecrets", [{}])),
+    (
+        "spec.scheduling.priorityClassName",
+        with_field(BASE, "spec.scheduling", {"priorityClassName": "Not A Name"}),
+    ),
+    (
+        "spec.scheduling.tolerations[0].effect",
+        with_field(BASE, "spec.scheduling", {"tolerations": [{"key": "k", "effect": "Sometimes"}]}),
+    ),
+    (
+        "spec.scheduling.topologySpreadConstraints[0].whenUnsatisfiable",
+        with_field(
+            BASE,
+            "spec.scheduling",
+            {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "z", "whenUnsatisfiable": "Maybe"}]},
+        ),
+    ),
+    (
+        "spec.scheduling.topologySpreadConstraints[0].maxSkew",
+        with_field(
+            BASE,
+            "spec.scheduling",
+            {
+                "topologySpreadConstraints": [
+                    {"maxSkew": 0, "topologyKey": "z", "whenUnsatisfiable": "DoNotSchedule"}
+                ]
+            },
+        ),
+    ),
+    (
+        "spec.podTemplate.metadata.labels.team",
+        with_field(BASE, "spec.podTemplate", {"metadata": {"labels": {"team": "not a value"}}}),
+    ),
+    ("spec.compileCache.size", with_field(BASE, "spec.compileCache", {"size": "lots"})),
+    (
+        "spec.compileCache.accessMode",
+        with_field(BASE, "spec.compileCache", {"size": "1Gi", "accessMode": "ReadMany"}),
+    ),
 ]
 
 
@@ -216,6 +294,32 @@ def test_cross_field_rules_are_left_to_the_operator():
     # CEL rules carry the rest to a real API server.
     rules = {r["rule"] for r in SPEC["autoscaling"]["x-kubernetes-validations"]}
     assert "self.minReplicas <= self.maxReplicas" in rules
+
+
+# Rules the JSON-schema validator cannot run (CEL, on the real API server: tests/cluster) that the operator
+# also enforces.
+CEL_ONLY = [
+    ("spec.rollout", with_field(BASE, "spec.rollout", {"surge": 0, "maxUnavailable": 0})),
+    ("spec.compileCache", with_field(BASE, "spec.compileCache", {})),
+    ("spec.compileCache", with_field(BASE, "spec.compileCache", {"claimName": "c", "size": "1Gi"})),
+    (
+        "spec.compileCache",
+        with_field(BASE, "spec.compileCache", {"claimName": "c", "accessMode": "ReadWriteOnce"}),
+    ),
+    (
+        "spec.podTemplate.metadata.labels.vsurge.io/model",
+        with_field(BASE, "spec.podTemplate", {"metadata": {"labels": {"vsurge.io/model": "other"}}}),
+    ),
+    (
+        "spec.podTemplate.metadata.labels.bad key!",
+        with_field(BASE, "spec.podTemplate", {"metadata": {"labels": {"bad key!": "x"}}}),
+    ),
+]
+
+
+@pytest.mark.parametrize(("field", "doc"), CEL_ONLY, ids=[f"{i}-{f}" for i, (f, _) in enumerate(CEL_ONLY)])
+def test_cel_rules_are_enforced_by_the_operator_too(field, doc):
+    assert field in [e.field for e in validation.validate(doc, default_image="img")]
 
 
 def test_schema_matches_the_operator():
@@ -255,6 +359,38 @@ def test_defaults_match_the_operator():
     for crd_key, py_key in spec._AUTOSCALING_KEYS.items():
         assert props[crd_key]["default"] == getattr(defaults, py_key), crd_key
     assert SPEC["tracing"]["properties"]["samplingRatio"]["default"] == spec.TracingSpec("x").sampling_ratio
+    assert SPEC["drainSeconds"]["default"] == spec.DEFAULT_DRAIN_SECONDS
+    rollout = SPEC["rollout"]["properties"]
+    assert (rollout["surge"]["default"], rollout["maxUnavailable"]["default"]) == (
+        spec.RolloutSpec().surge,
+        spec.RolloutSpec().max_unavailable,
+    )
+
+
+def test_pod_field_rules_match_the_operator():
+    from vsurge_operator import podspec_validation as pv
+
+    sched = SPEC["scheduling"]["properties"]
+    assert sched["priorityClassName"]["pattern"] == pv.DNS1123_SUBDOMAIN
+    assert tuple(sched["tolerations"]["items"]["properties"]["effect"]["enum"]) == pv.TAINT_EFFECTS
+    assert tuple(sched["tolerations"]["items"]["properties"]["operator"]["enum"]) == pv.TOLERATION_OPERATORS
+    spread = sched["topologySpreadConstraints"]["items"]["properties"]
+    assert tuple(spread["whenUnsatisfiable"]["enum"]) == pv.WHEN_UNSATISFIABLE
+    labels = SPEC["podTemplate"]["properties"]["metadata"]["properties"]["labels"]
+    assert labels["additionalProperties"]["pattern"] == pv.LABEL_VALUE
+    assert pv.QUALIFIED_NAME in labels["x-kubernetes-validations"][0]["rule"]
+    assert all(f"'{k}' in self" in labels["x-kubernetes-validations"][1]["rule"] for k in pv.RESERVED_LABELS)
+    assert SPEC["imagePullSecrets"]["items"]["properties"]["name"]["pattern"] == pv.DNS1123_SUBDOMAIN
+    cc = SPEC["compileCache"]["properties"]
+    assert cc["size"]["pattern"] == pv.QUANTITY_PATTERN
+    assert tuple(cc["accessMode"]["enum"]) == pv.ACCESS_MODES
+    for key, (lo, hi) in pv.RANGES.items():
+        node = SCHEMA
+        for part in key.split("."):
+            node = node["properties"][part.removesuffix("[]")]
+            if part.endswith("[]"):
+                node = node["items"]
+        assert (node.get("minimum"), node.get("maximum")) == (lo, hi), key
 
 
 def test_mesh_length_matches_the_operator():

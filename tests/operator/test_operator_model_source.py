@@ -168,7 +168,8 @@ def test_cache_is_an_emptydir_with_a_size_limit_or_a_pvc():
     assert (
         manifests.pod_template(claimed)["spec"]["securityContext"]["fsGroup"] == 10001
     )  # writable by the image's user
-    assert "securityContext" not in manifests.pod_template(sized)["spec"]
+    # Every pod runs as the image's user (restricted profile), with or without a claim.
+    assert manifests.pod_template(sized)["spec"]["securityContext"]["runAsUser"] == 10001
     mounts = manifests.pod_template(claimed)["spec"]["containers"][0]["volumeMounts"]
     assert {"name": "cache", "mountPath": manifests.CACHE_DIR} in mounts
 

@@ -240,3 +240,32 @@ def test_autoscaler_ignores_models_without_autoscaling(cluster, namespace, api):
     scaler = scaling.ModelAutoscaler(kube.Kube(api.api), OperatorConfig(), Events())
     assert asyncio.run(scaler.step(body)) is None
     assert not cluster.requests(plural="pods")
+
+
+def test_a_new_leader_continues_the_autoscalers_decisions_from_the_status(cluster, namespace, api):
+    """Operator replica A watches the load fall for most of a scale-down window; B takes over and scales
+    down when A would have, instead of waiting a whole new window as a memory-less start does."""
+    body = _create(cluster, api, namespace, replicas=4, autoscaling=AUTOSCALING)  # window 300 s
+    m = spec.parse(body)
+    board = MetricsBoard(occupancy=0.1)
+    servers = [PodMetricsServer(board, m.served_name, f"m-{i}") for i in range(4)]
+    try:
+        for i, s in enumerate(servers):
+            _add_pod(api, m, f"m-{i}", s.port)
+        a = scaling.ModelAutoscaler(kube.Kube(api.api), OperatorConfig(), Events())
+        for t in (1000.0, 1100.0, 1200.0, 1290.0):
+            d = asyncio.run(a.step(cluster.obj(IM, namespace, "m"), now=t))
+            assert (d.replicas, d.reason) == (4, "ScaleDownStabilized")
+        stored = cluster.obj(IM, namespace, "m")
+        assert stored["status"]["autoscaler"]["history"]["recommendations"] == [[1000.0, 4], [1290.0, 1]]
+
+        fresh = scaling.ModelAutoscaler(kube.Kube(api.api), OperatorConfig(), Events())
+        blind = {**stored, "status": {}}  # what a replica without the stored history would do
+        assert asyncio.run(fresh.step(blind, now=1301.0)).replicas == 4
+        b = scaling.ModelAutoscaler(kube.Kube(api.api), OperatorConfig(), Events())
+        d = asyncio.run(b.step(stored, now=1301.0))
+    finally:
+        for s in servers:
+            s.close()
+    assert (d.current, d.replicas, d.reason) == (4, 1, "ScaleDown")
+    assert cluster.obj(IM, namespace, "m")["spec"]["replicas"] == 1

@@ -183,6 +183,10 @@ Operator RBAC, one rule per (apiGroup, resource) so that it reads as the table t
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# spec.compileCache with a size: the claim it creates (and owns) for the compiled programs.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The autoscaler finds the ready pods of a model to scrape their /metrics.
 - apiGroups: [""]
   resources: ["pods"]

@@ -45,6 +45,8 @@ class InfoRoutes:
 
     async def readiness(self, request: Request) -> Response:
         """GET /readiness: 200 only when compiled, started and not draining."""
+        if self.state == READY and self.stop_announced:
+            return _error_response(errors.not_ready(self.stop_announced))
         if self.state == READY and not self._dead_engines():
             return JSONResponse({"status": "ready"})
         return _error_response(errors.not_ready(self.state_reason or self.state))

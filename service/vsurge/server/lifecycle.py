@@ -65,6 +65,16 @@ class Lifecycle:
         if self.state == STARTING:
             self.state, self.state_reason = READY, ""
 
+    # Set by a pod's preStop hook (SIGUSR1, see runner.serve): readiness answers 503 so the pod leaves its
+    # Service's endpoints, while requests that still arrive meanwhile are served as usual.
+    stop_announced: str = ""
+
+    def announce_stop(self, reason: str = "the pod is stopping (preStop)") -> None:
+        """Readiness goes false; generations are still accepted until the drain begins (SIGTERM)."""
+        if not self.stop_announced:
+            log.info("stop announced: %s; readiness now fails, still serving", reason)
+            self.stop_announced = reason
+
     def begin_drain(self, reason: str = "the server is shutting down") -> None:
         """Readiness goes false and new generations get 503; requests in flight run to the end."""
         if self.state in (DRAINING, STOPPED):

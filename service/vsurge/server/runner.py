@@ -4,7 +4,8 @@ Order of a start: the port is bound (probes get answers at once: liveness 200, r
 background thread loads the models (`startup`), compiles every shape and starts the engines, marks the
 server ready and prints one line saying where it listens.
 
-SIGTERM (or SIGINT) starts a drain instead of uvicorn's immediate shutdown: readiness turns 503, new
+SIGUSR1 (a pod's preStop hook) only turns readiness to 503, so the pod leaves its Service while it still
+serves what arrives. SIGTERM (or SIGINT) starts a drain instead of uvicorn's immediate shutdown: readiness turns 503, new
 generations are refused with 503, requests in flight run to the end, then uvicorn closes and the engines
 stop. A second signal shuts down without waiting (a second SIGINT kills connections at once).
 """
@@ -186,6 +187,9 @@ def serve(api: vSurgeApiServer, **kw: Any) -> None:
     """Run in the foreground until drained; raises the startup error if loading or compiling failed."""
     running = start(api, in_thread=False, configure_logging=True, **kw)
     sock: socket.socket = running._sock  # type: ignore[attr-defined]
+    # A Kubernetes preStop hook sends SIGUSR1 (the operator's pods): fail readiness first, so the pod leaves
+    # the Service's endpoints while it still serves; the kubelet's SIGTERM then starts the drain.
+    signal.signal(signal.SIGUSR1, lambda sig, frame: api.announce_stop())
     try:
         running.server.run(sockets=[sock])
     finally:
