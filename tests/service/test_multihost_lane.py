@@ -421,6 +421,34 @@ def test_the_worker_replays_every_call_and_a_silent_worker_breaks_the_lane(tiny)
     pair.lane.close()
 
 
+def test_unseeded_sampling_draws_the_same_on_leader_and_worker(tiny):
+    """An unseeded sampled prompt inserted without an explicit key: the engines on both ends sample the
+    same tokens (no engine draws a key from its own process's entropy); the request's own key, passed
+    explicitly as the drivers do, is the same on both ends too."""
+    import jax
+
+    model, tok, _ = tiny
+    pair = Pair(model, tok)
+    pair.start_worker()
+    proxy = pair.engine()
+    hot = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    state = proxy.init_decode_state()
+    state, _ = proxy.insert(proxy.prefill(PROMPTS[0], hot), state, 0, length=len(PROMPTS[0]))
+    key = np.array([12345, 678], np.uint32)  # what ActiveRequest drew for the request, on the leader
+    state, _ = proxy.insert(proxy.prefill(PROMPTS[1], hot), state, 1, key=key, length=len(PROMPTS[1]))
+    for _ in range(4):
+        state, out = proxy.decode(state)
+    n = pair.lane.calls - 1
+    leaves = jax.tree_util.tree_leaves(state)
+    i = next(i for i, x in enumerate(leaves) if x is state.tokens)
+    deadline = time.monotonic() + 30
+    while pair.worker.calls <= n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert np.array_equal(np.asarray(pair.worker.handles[(n, i)]), np.asarray(state.tokens))
+    assert not pair.exits
+    pair.lane.close()
+
+
 def test_a_slow_leader_is_waited_for_while_it_beats(tiny):
     """The leader takes three times the silence bound to load: its worker, connected and beating, waits
     (bounded by the start timeout, not the lane's) and then replays."""

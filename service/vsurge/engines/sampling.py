@@ -172,8 +172,11 @@ def make_slot_sampling(
 ) -> SlotSampling:
     """Build a `SlotSampling` from host values; ``None`` entries are idle slots (greedy, no penalties).
 
-    ``keys[i]`` defaults to ``seed_key_data(params[i].seed)``; ``stop_ids[i]`` lists the token ids that end
-    request i (EOS unless ignore_eos, plus stop_token_ids), used only to enforce min_tokens on device.
+    ``keys[i]`` defaults to ``seed_key_data(params[i].seed)`` for a seeded request, else to a fixed
+    placeholder: an engine never draws entropy itself (in a multi-host group each process would draw its
+    own); an unseeded request's key is drawn once with the request (``ActiveRequest.keys``) and passed where
+    it samples. ``stop_ids[i]`` lists the token ids that end request i (EOS unless ignore_eos, plus
+    stop_token_ids), used only to enforce min_tokens on device.
     """
     n = len(params)
     # Idle slots: greedy (the cheapest path) and neutral filters / penalties.
@@ -195,7 +198,7 @@ def make_slot_sampling(
     for i, p in enumerate(params):
         if keys is not None:
             cols["key"][i] = keys[i]
-        elif p is not None:
+        elif p is not None and p.seed is not None:
             cols["key"][i] = seed_key_data(p.seed)
         if p is None:
             continue
