@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 
 SERVE = [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())", "serve"]
-# 2 shared cores, several engineers' tests beside these: a starved process may not beat for seconds.
-# The bound the tests set (the default is 10 s); the measurements print what they saw against it.
-TEST_LANE_TIMEOUT_S = 30.0
+# 2 shared cores, several engineers' tests beside these: a starved process may not beat for seconds, so
+# the groups run with a generous bound (the default is 10 s; VSURGE_TEST_LANE_TIMEOUT_S sets another, to
+# measure the default's); the fault tests assert and print what they saw against it.
+TEST_LANE_TIMEOUT_S = float(os.environ.get("VSURGE_TEST_LANE_TIMEOUT_S", "30"))
 
 
 def free_port() -> int:
@@ -123,14 +124,17 @@ class Group:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for i, p in enumerate(self.procs):
-                assert p.poll() is None, f"process {i} exited {p.returncode}:\n{self.log(i)}"
+                assert p.poll() is None, f"process {i} exited {p.returncode}:\n{self.logs_text()}"
             try:
                 if httpx.get(f"{self.url}/readiness", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise AssertionError(f"not ready in {timeout}s:\n{self.log(0)}\n{self.log(1)}")
+        raise AssertionError(f"not ready in {timeout}s:\n{self.logs_text()}")
+
+    def logs_text(self) -> str:
+        return "\n".join(f"--- process {i}\n{self.log(i)[-1500:]}" for i in range(len(self.procs)))
 
     def wait_exits(self, timeout: float) -> list[int | None]:
         """Every process's exit status once all have exited, or None for those still running at ``timeout``."""

@@ -14,7 +14,7 @@ import subprocess
 import time
 
 import pytest
-from multihost_group import SERVE, Group, base_env, client, held, ports, write_secret
+from multihost_group import SERVE, TEST_LANE_TIMEOUT_S, Group, base_env, client, held, ports, write_secret
 
 from vsurge.cli import ConfigError, parse_serve_config
 from vsurge.multihost.group import COORDINATOR_PORT, ProcessGroup, lane_timeout, resolve
@@ -120,7 +120,7 @@ def test_a_start_up_error_on_any_process_ends_the_whole_group(tmp_path, checkpoi
     and every log says why (no process waits minutes in JAX's shutdown barrier)."""
     model, _ = checkpoint
     bad = {broken: {"VSURGE_MODEL": str(tmp_path / "no-such-model")}}
-    group = Group(tmp_path, model, 2, 4, "tp=8", "vdriver", env=bad, engine={"VSURGE_LANE_TIMEOUT_S": "10"})
+    group = Group(tmp_path, model, 2, 4, "tp=8", "vdriver", env=bad)
     try:
         deadline = time.monotonic() + 300
         while all(p.poll() is None for p in group.procs) and time.monotonic() < deadline:
@@ -130,7 +130,7 @@ def test_a_start_up_error_on_any_process_ends_the_whole_group(tmp_path, checkpoi
         spread = time.monotonic() - first
         print(f"\nstart-up error on process {broken}: every process exited {spread:.2f}s after the first")
         assert codes == [1, 1], (codes, group.log(0), group.log(1))
-        assert spread <= 10, spread
+        assert spread <= TEST_LANE_TIMEOUT_S, spread
         assert "no-such-model" in group.log(0) and "no-such-model" in group.log(1)
         role = "the leader failed to start" if broken == 0 else "worker 1"
         assert role in group.log(1 - broken), group.log(1 - broken)

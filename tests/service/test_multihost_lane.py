@@ -467,6 +467,19 @@ def test_a_slow_leader_is_waited_for_while_it_beats(tiny):
     assert pair.done.get("rc") == 0  # a normal stop: the worker said goodbye and ends with 0
 
 
+def test_a_leader_that_never_finishes_loading_ends_at_the_start_timeout(tiny):
+    """A leader that beats but never sends the engine's setup: its worker gives up at the start timeout,
+    says why, and the leader's lane fails with that reason (a bounded start, not a hang)."""
+    model, tok, _ = tiny
+    pair = Pair(model, tok)
+    pair.worker.start_timeout = 2.0
+    pair.start_worker()
+    assert pair.lane.wait_failed(30), "the start was not bounded"
+    assert pair.exits and pair.exits[0][0] == 1 and "no engine setup within 2s" in pair.exits[0][1]
+    assert "no engine setup within 2s" in pair.lane.failure
+    pair.lane.close()
+
+
 def test_a_failure_seen_only_by_the_worker_ends_the_group(tiny):
     """The worker loses an array the leader names (its state no longer matches): it tells the leader why
     and exits 1; the leader's lane fails with that reason instead of waiting on a peer that is gone."""

@@ -68,3 +68,25 @@ class LeaderHandles:
                     del self._known[key]
 
             self._known[key] = (cell, weakref.ref(arr, collected))
+
+
+class Retirement:
+    """The device work of the last few calls, waited for once it is ``window`` calls old.
+
+    With async dispatch (TPU) a call returns before its programs ran, so a wedged device would leave the
+    replay loop free-running and its beats cheerful. Waiting for the results of call n - window inside
+    call n makes a wedge show where the lane looks for it: in a call that does not end (the leader's
+    watchdog, from each process's stamps). The window keeps dispatch that far ahead of the device; on
+    CPU every call has ended already, so this never waits."""
+
+    def __init__(self, window: int = 4):
+        self.window = window
+        self._pending: list[list[jax.Array]] = []
+
+    def push(self, result: Any) -> None:
+        self._pending.append([x for _, x in result_arrays(result)])
+        while len(self._pending) > self.window:
+            # arrays a later call took over (donated) are that call's to finish
+            live = [x for x in self._pending.pop(0) if not x.is_deleted()]
+            if live:
+                jax.block_until_ready(live)

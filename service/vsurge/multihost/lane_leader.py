@@ -32,7 +32,7 @@ from . import channel as ch
 from . import wire
 from .engine_proxy import LONG_METHODS, register_records
 from .group import ProcessGroup
-from .handles import LeaderHandles
+from .handles import LeaderHandles, Retirement
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class LeaderLane:
         self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self.call_lock = threading.RLock()
         self.handles = LeaderHandles()
+        self.retirement = Retirement()
         self._calls = 0
         self.serving = False  # the engine is compiled: from now on a call past the step bound is wedged
         self._current: tuple[int, str, float] | None = None  # the leader's own call in progress
@@ -236,9 +237,12 @@ class LeaderLane:
                 msg = decode_plain(payload)
             except TimeoutError:
                 if self.failure is None:
+                    at = f"{link.phase}, {link.done} calls done"
+                    if link.current is not None:
+                        at += f", in call {link.current[0]} ({link.current[1]})"
                     self.fail(
                         f"{link.name} sent nothing for {SILENCE * self.timeout:.1f}s: its process is gone, "
-                        "stopped or cut off"
+                        f"stopped or cut off (last heard: {at})"
                     )
                 return
             except (ch.ChannelError, wire.WireError) as e:
@@ -351,6 +355,7 @@ class LeaderLane:
             try:
                 self.check()
                 result = method(*args, **kwargs)
+                self.retirement.push(result)  # a wedged device shows as this call not ending
             except BaseException as e:
                 outcome = type(e).__name__
                 raise

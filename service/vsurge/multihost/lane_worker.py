@@ -33,7 +33,7 @@ from . import channel as ch
 from . import wire
 from .engine_proxy import build_engine, register_records, worker_method, worker_setattr
 from .group import ProcessGroup, backoff
-from .handles import result_arrays
+from .handles import Retirement, result_arrays
 from .lane_leader import SILENCE, decode_plain, heartbeat
 from .process_exit import exit_process
 
@@ -56,8 +56,11 @@ class WorkerLane:
         timeout: float,
         exit: Callable[[int, str | None], Any] = exit_process,
         name: str = "",
+        start_timeout: float = 1800.0,
     ):
         self.group, self.timeout = group, timeout
+        self.start_timeout = start_timeout  # from connecting to the engine's setup (a slow leader loading)
+        self._connected_at = time.monotonic()
         register_records()
         self._secret = secret
         self._exit = exit
@@ -66,6 +69,7 @@ class WorkerLane:
         self.mesh: Any = None
         self.handles: dict[tuple[int, int], jax.Array] = {}
         self.calls = 0
+        self.retirement = Retirement()
         self.phase = "connecting"
         self._current: tuple[int, str, float] | None = None
         self.conn: ch.Channel | None = None
@@ -102,6 +106,7 @@ class WorkerLane:
                 )
             time.sleep(wait)
         self.conn.settimeout(SILENCE * self.timeout)
+        self._connected_at = time.monotonic()
         self.phase = "loading"
         threading.Thread(target=self._read_loop, name="vsurge-lane-read", daemon=True).start()
         threading.Thread(target=self._beat_loop, name="vsurge-lane-beat", daemon=True).start()
@@ -159,6 +164,8 @@ class WorkerLane:
                 return self.abort(f"the leader sent a {ch.KINDS[kind]} frame (protocol error)")
 
     def _beat_loop(self) -> None:
+        every = heartbeat(self.timeout)
+        last = time.monotonic()
         while not self._ended.is_set():
             current = self._current
             where = None if current is None else (current[0], current[1], time.monotonic() - current[2])
@@ -166,7 +173,13 @@ class WorkerLane:
                 self.conn.send(ch.BEAT, wire.encode((self.phase, self.calls, where, self.name), _no_device))
             except ch.ChannelError as e:
                 return self.end(EXIT_LEADER_GONE, f"lost the leader's step lane ({e}); exiting")
-            time.sleep(heartbeat(self.timeout))
+            time.sleep(every)
+            late = time.monotonic() - last - every
+            last = time.monotonic()
+            if late > 0.25 * SILENCE * self.timeout:  # the process got no time to beat: say so
+                self.say(
+                    f"a beat came {late:.1f}s late ({self.phase}, call {self.calls}): is this host starved?"
+                )
 
     # ------------------------------------------------------------------ replaying
     def loaded(self, mesh: Any) -> None:
@@ -177,7 +190,11 @@ class WorkerLane:
     def run(self, model: Any, processor: Any) -> int:
         """Build the engine the leader describes, then replay its calls until it says stop (returns 0)."""
         while True:
-            kind, payload = self._inbox.get()
+            try:
+                kind, payload = self._inbox.get(timeout=self._setup_wait())
+            except queue.Empty:
+                self.abort(f"the leader sent no engine setup within {self.start_timeout:.0f}s of connecting")
+                return EXIT_ERROR
             try:
                 if kind == ch.STOP:
                     self.phase = "stopped"
@@ -204,6 +221,13 @@ class WorkerLane:
                 self.abort(f"{type(e).__name__}: {e}")
                 return EXIT_ERROR
 
+    def _setup_wait(self) -> float | None:
+        """How long the next message may take: bounded by the start timeout until the engine is built
+        (a leader that beats but never finishes loading), then as long as it takes (idle serving)."""
+        if self.engine is not None:
+            return None
+        return max(0.0, self._connected_at + self.start_timeout - time.monotonic())
+
     def _call(self, n: int, path: str, args: tuple, kwargs: dict, dead: list) -> None:
         self._drop(dead)
         if n != self.calls:
@@ -214,6 +238,7 @@ class WorkerLane:
         self._current = (n, path, time.monotonic())
         try:
             result = method(*args, **kwargs)
+            self.retirement.push(result)  # a wedged device shows as this call not ending
         except Exception as e:  # noqa: BLE001 - the leader decides: the same error there is a bad request
             self.conn.send(
                 ch.CALL_FAILED, wire.encode((n, path, f"{type(e).__name__}: {e}"[:500]), _no_device)

@@ -89,7 +89,7 @@ def run_worker(cfg: Any, start: GroupStart) -> None:
     from .lane_worker import WorkerLane
 
     group = start.group
-    lane = WorkerLane(group, start.secret, start.timeout)
+    lane = WorkerLane(group, start.secret, start.timeout, start_timeout=start.start_timeout)
     host, port = group.lane_address()
     lane.say(f"connecting to the leader's step lane at {host}:{port}")
     try:
