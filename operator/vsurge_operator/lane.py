@@ -143,20 +143,42 @@ def remove(api: kube.Kube, model: ModelSpec) -> list[str]:
     return []
 
 
+def _failures(pod: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(finishedAt, ``pod <name>: <why>``) of each group failure the pod's containers reported."""
+    pod_name = (pod.get("metadata") or {}).get("name", "")
+    found = []
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+            term = state.get("terminated") or {}
+            message = str(term.get("message") or "").strip()
+            if message.startswith(_FAILURE_PREFIX):
+                why = message[len(_FAILURE_PREFIX) :]
+                found.append((str(term.get("finishedAt") or ""), f"pod {pod_name}: {why}"))
+    return found
+
+
 def group_failure(pods: Sequence[Mapping[str, Any]] | None) -> str | None:
     """``pod <name>: <why>`` of the last group failure a pod of the model reported, else None."""
-    found: list[tuple[str, str]] = []
-    for pod in pods or []:
-        pod_name = (pod.get("metadata") or {}).get("name", "")
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-            for state in (cs.get("state") or {}, cs.get("lastState") or {}):
-                term = state.get("terminated") or {}
-                message = str(term.get("message") or "").strip()
-                if message.startswith(_FAILURE_PREFIX):
-                    found.append(
-                        (
-                            str(term.get("finishedAt") or ""),
-                            f"pod {pod_name}: {message[len(_FAILURE_PREFIX) :]}",
-                        )
-                    )
+    found = [f for pod in pods or [] for f in _failures(pod)]
     return max(found)[1][:1024] if found else None
+
+
+def record_failure(api: kube.Kube, pod: Mapping[str, Any], now: str) -> tuple[dict[str, Any], str] | None:
+    """A pod of a model just reported a group failure (the operator sees every pod event): put it in the
+    model's ``status.lastGroupFailure`` at once, before the LeaderWorkerSet recreates the group and the
+    pod's message goes with it. Returns (the model, the message) when something new was recorded."""
+    from vsurge_operator import manifests
+
+    found = _failures(pod)
+    meta = pod.get("metadata") or {}
+    model = (meta.get("labels") or {}).get(manifests.LABEL_MODEL)
+    if not found or not model:
+        return None
+    message = max(found)[1][:1024]
+    namespace = meta.get("namespace", "default")
+    im = api.get(kube.INFERENCE_MODEL, namespace, model)
+    if im is None or ((im.get("status") or {}).get("lastGroupFailure") or {}).get("message") == message:
+        return None
+    patch = {"status": {"lastGroupFailure": {"message": message, "observedAt": now}}}
+    api.patch(kube.INFERENCE_MODEL, namespace, model, patch, subresource="status")
+    return im, message

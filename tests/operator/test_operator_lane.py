@@ -178,3 +178,43 @@ def test_the_status_reports_a_group_failure_through_the_api(cluster, namespace, 
     assert stored["status"]["lastGroupFailure"]["message"].startswith(
         "pod m-0: worker 1 (pod m-0-1) closed the step lane"
     )
+
+
+def test_the_operator_records_a_group_failure_as_the_pod_reports_it(
+    cluster, namespace, api, create_model, start_operator
+):
+    """The running operator sees the pod event (the LeaderWorkerSet deletes the pod right after): the
+    model's status keeps which pod failed and why, and a Warning Event says it."""
+    from kmock_harness import wait_for
+
+    start_operator()
+    create_model("m", tpu=MULTI)
+    lws = wait_for(lambda: cluster.obj(LWS, namespace, "m"), 30, message="LeaderWorkerSet")
+    labels = dict(lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"])
+    why = "GroupFailedError: worker 3 (pod m-0-3) sent nothing for 5.0s: its process is gone, stopped or cut off"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "m-0", "labels": labels},
+        "spec": {"containers": [{"name": manifests.CONTAINER_NAME, "image": "x"}]},
+        "status": _pod("m-0", why)["status"],
+    }
+    api.create(kube.POD, namespace, pod)
+    api.delete(kube.POD, namespace, "m-0")  # the group is recreated at once
+    recorded = wait_for(
+        lambda: (cluster.obj(IM, namespace, "m").get("status") or {}).get("lastGroupFailure"),
+        30,
+        message="status",
+    )
+    assert (
+        recorded["message"]
+        == "pod m-0: worker 3 (pod m-0-3) sent nothing for 5.0s: its process is gone, stopped or cut off"
+    )
+    events = wait_for(
+        lambda: (
+            [e for e in cluster.objects("events", namespace) if e.get("reason") == lane.GROUP_FAILED] or None
+        ),
+        30,
+        message="a GroupFailed event",
+    )
+    assert events[0]["type"] == "Warning" and "worker 3 (pod m-0-3)" in events[0]["message"]

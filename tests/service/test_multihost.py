@@ -112,8 +112,7 @@ def test_the_group_forms_when_the_leader_comes_late_then_drains(tmp_path, checkp
         group.close()
 
 
-@pytest.mark.slow  # two JAX groups join (no compile): ~30 s each on 2 shared cores
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600)  # two processes join a JAX group, nothing compiles: seconds
 @pytest.mark.parametrize("broken", [0, 1], ids=["leader", "worker"])
 def test_a_start_up_error_on_any_process_ends_the_whole_group(tmp_path, checkpoint, broken):
     """One process cannot load its model: every process exits 1 within the lane's bound of the error,

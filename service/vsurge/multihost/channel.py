@@ -195,7 +195,7 @@ def _send_plain(sock: socket.socket, kind: int, payload: bytes) -> None:
 def _recv_plain(sock: socket.socket, want: int) -> bytes:
     kind, _, payload, _ = _read_frame(sock, MAX_HANDSHAKE)
     if kind != want:
-        raise AuthError(f"expected a {KINDS[want]} frame, got {KINDS[kind]}")
+        raise AuthError(f"expected frame '{KINDS[want]}', got '{KINDS[kind]}'")
     return payload
 
 

@@ -90,6 +90,7 @@ def run_worker(cfg: Any, start: GroupStart) -> None:
 
     group = start.group
     lane = WorkerLane(group, start.secret, start.timeout, start_timeout=start.start_timeout)
+    _defer_sigterm(lane)
     host, port = group.lane_address()
     lane.say(f"connecting to the leader's step lane at {host}:{port}")
     try:
@@ -109,6 +110,18 @@ def run_worker(cfg: Any, start: GroupStart) -> None:
         lane.abort(f"{type(e).__name__}: {e}", e)
         code = 1
     exit_process(code)
+
+
+def _defer_sigterm(lane: Any) -> None:
+    """A worker outlives a SIGTERM: its group's pods are stopped together, and the leader drains its
+    requests first, then tells the workers to stop (a worker gone early would fail them all). A worker
+    stopped alone is killed at the end of its grace period, and the group fails then."""
+    import signal
+
+    def note(signum: int, frame: Any) -> None:
+        lane.say(f"{signal.Signals(signum).name}: waiting for the leader to stop the group (it drains first)")
+
+    signal.signal(signal.SIGTERM, note)
 
 
 class Leader:
