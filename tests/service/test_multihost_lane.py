@@ -241,6 +241,11 @@ def test_frames_that_were_replayed_altered_or_cut_break_the_connection():
     with pytest.raises(ch.ChannelError, match="exceeds the limit"):
         leader.recv()
 
+    leader, worker, real = _tapped()
+    real.sendall(b"VSLN" + struct.pack("!BBHQI", ch.VERSION + 1, ch.BEAT, 0, 0, 0) + bytes(ch.MAC_SIZE))
+    with pytest.raises(ch.ChannelError, match=f"protocol version {ch.VERSION + 1}"):
+        leader.recv()
+
 
 def test_a_missing_or_short_secret_is_refused(tmp_path):
     with pytest.raises(ch.SecretError, match="VSURGE_LANE_SECRET_FILE"):

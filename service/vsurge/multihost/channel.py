@@ -30,8 +30,10 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from . import wire
+
 MAGIC = b"VSLN"
-VERSION = 1
+VERSION = wire.VERSION  # a peer of another version is refused at its first frame
 _HEADER = struct.Struct("!4sBBHQI")
 MAC_SIZE = 32
 NONCE_SIZE = 32

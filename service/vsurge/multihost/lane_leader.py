@@ -2,7 +2,7 @@
 when the group has failed.
 
     accept thread ── handshake (channel.py) ── per worker: a reader thread (beats, errors, call failures)
-    ping thread ──── PING every HEARTBEAT_S: the dead handles, and the leader's own step progress
+    ping thread ──── PING every second (a tenth of T if shorter), with the handles of dropped arrays
     watchdog ─────── a call running past the step bound on the leader, or on a worker by its beats
 
 Bounds (``T`` = VSURGE_LANE_TIMEOUT_S): a worker silent for ``SILENCE * T`` (its process died, was stopped

@@ -3,7 +3,7 @@
     main thread ─── load the model (phase "loading" -> "loaded"), build the engine from the leader's setup,
                     then the replay loop: each call, by path (engine_proxy.LANE_METHODS), in order
     reader ──────── frames from the leader: calls to the inbox; ABORT / a lost leader end the process
-    beats ───────── BEAT every second (lane_leader.heartbeat): the phase and where the replay loop is (call n, since when)
+    beats ───────── BEAT every second (lane_leader.heartbeat): the phase, and where the replay loop is
 
 The beat thread only reports what the replay loop stamps, so a wedged step shows as a call that does not
 end (the leader's watchdog judges), a stopped or dead process as silence. A worker exits (never through

@@ -2,7 +2,7 @@
 
 What crosses the lane is a tree of plain values: None, bools, integers, floats, strings, bytes, lists,
 tuples, dicts, numpy arrays and scalars of a fixed set of dtypes, the engine's own records (NamedTuples and
-dataclasses named in ``RECORDS``), and device arrays as *handles* (result leaf ``i`` of call ``n``, the
+dataclasses allowed by ``register``), and device arrays as *handles* (result leaf ``i`` of call ``n``, the
 same global array on every process) or as host values with their PartitionSpec. Each value is one tag
 byte and a fixed layout (big-endian lengths, raw C-order array buffers). Decoding reads bounds-checked
 fields and builds only those types: a record is rebuilt from its fields by name, never by a reference to
@@ -25,7 +25,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-VERSION = 1
+VERSION = 1  # of this format and the frames that carry it (channel.py): a change to either bumps it
 MAX_DEPTH = 32
 
 # tags
