@@ -19,7 +19,8 @@ from multihost_group import Group, client
 from vsurge.multihost import channel as ch
 
 LONG = [(7 * i + 3) % 300 for i in range(40)]  # > the 32-token prefill bucket: chunked
-REPEAT = [11, 12, 13, 14, 15] * 4  # n-gram drafts find their continuation in the prompt
+# the tiny model's greedy text falls into "92 92 92 ...": n-gram drafts (prompt lookup) find it and are right
+REPEAT = [200, 3, 3, 150, 61, 88, 12, 250, 9, 40, 77, 105, 184, 279, 92, 92, 92]
 REGEX = r"[0-9]{3}-[a-z]{2,5}"
 
 
@@ -65,6 +66,16 @@ def run_requests(group: Group, structured: bool = True) -> dict[str, object]:
     assert re.fullmatch(REGEX, r.choices[0].text), r.choices[0].text
     out["structured"] = [r.choices[0].text, *tokens(r)]
     return out
+
+
+def speculation(group: Group) -> str:
+    """What the leader's /metrics say of n-gram speculation so far (whether verify steps crossed the lane
+    depends on the step costs the leader measured: reported, not asserted)."""
+    text = httpx.get(f"{group.url}/metrics", timeout=30).text
+    found = dict(
+        re.findall(r"^vsurge_spec_decode_(draft|accepted)_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    )
+    return f"speculation: {float(found.get('draft', 0)):.0f} draft tokens verified, {float(found.get('accepted', 0)):.0f} accepted"
 
 
 def concurrent_burst(group: Group, n: int = 4) -> None:

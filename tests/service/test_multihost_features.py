@@ -19,7 +19,7 @@ import os
 import signal
 
 import pytest
-from multihost_checks import concurrent_burst, forged_peers, inject_fault, run_requests
+from multihost_checks import concurrent_burst, forged_peers, inject_fault, run_requests, speculation
 from multihost_group import TEST_LANE_TIMEOUT_S, Group
 
 BOUND_S = TEST_LANE_TIMEOUT_S
@@ -75,6 +75,8 @@ def _serve(tmp_path, checkpoint, processes, devices, config, one_process) -> Gro
         got = _requests(group, config)
         for name, want in reference.items():
             assert got[name] == want, f"{processes}x{devices} {mesh} {config} {name}: {got[name]} != {want}"
+        if driver == "vdriver":
+            print(f"\n{processes}x{devices} {mesh}: {speculation(group)}")
         concurrent_burst(group)
     except BaseException:
         group.close()

@@ -134,11 +134,11 @@ class Pair:
 
         threading.Thread(target=work, daemon=True).start()
 
-    def engine(self):
+    def engine(self, **knobs):
         from vsurge.engine_config import EngineConfig
 
         self.lane.wait_workers("loaded", 60, "load")
-        config = EngineConfig(max_concurrent_decodes=2, max_length=64, prefill_lengths=(32,))
+        config = EngineConfig(max_concurrent_decodes=2, max_length=64, prefill_lengths=(32,), **knobs)
         engine = build_engine(self.model, self.tok, config)
         self.lane.send_control(ch.ENGINE, engine_setup(engine, config))
         return LeaderEngine(engine, self.lane)
@@ -197,6 +197,59 @@ def test_the_worker_replays_every_call_and_a_silent_worker_breaks_the_lane(tiny)
     assert "worker 1 (test-worker) sent nothing" in pair.lane.failure
     with pytest.raises(EngineUnavailableError, match="worker 1"):
         proxy.decode(state)
+    pair.lane.close()
+
+
+def _same_on_the_worker(pair, result) -> None:
+    """Every device array of the leader's last call's ``result`` equals the worker's (its handles)."""
+    import jax
+
+    n = pair.lane.calls - 1
+    deadline = time.monotonic() + 60
+    while pair.worker.calls <= n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leaves = [x for x in jax.tree_util.tree_leaves(result) if isinstance(x, jax.Array)]
+    assert leaves
+    for i, x in enumerate(jax.tree_util.tree_leaves(result)):
+        if isinstance(x, jax.Array):
+            assert np.array_equal(np.asarray(pair.worker.handles[(n, i)]), np.asarray(x)), (n, i)
+
+
+def test_mixed_steps_verify_steps_and_masked_steps_replay_exactly(tiny):
+    """vDriver's in-place prefill (mixed.step, mixed.seat), an n-gram verify step and a structured step
+    (decode_logits, then decode_sample under a token mask), each called through the lane as the driver
+    calls them: the worker's state after each is the leader's, leaf for leaf."""
+    from vsurge.engines.dense_mixed import Chunk
+
+    model, tok, _ = tiny
+    pair = Pair(model, tok)
+    pair.start_worker()
+    proxy = pair.engine(max_num_batched_tokens=32, speculative="ngram", num_speculative_tokens=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = PROMPTS[1] * 4  # 36 tokens: two mixed steps of at most 24 prompt tokens
+    state, done = proxy.init_decode_state(), 0
+    while done < len(prompt):
+        shape, (take,) = proxy.mixed.step_plan([len(prompt) - done])  # host-only: the leader alone
+        chunk = Chunk(0, done, np.asarray(prompt[done : done + take], np.int32))
+        state, out, hidden = proxy.mixed.step(state, [chunk], shape)
+        done += take
+    row = proxy.make_sampling_row(greedy, [])  # host arrays, sent by value
+    state, first = proxy.mixed.seat(state, hidden, 0, 0, len(prompt), row, np.array([7, 9], np.uint32))
+    _same_on_the_worker(pair, (state, first))
+
+    draft = np.zeros((2, 3), np.int32)
+    draft[0] = [92, 92, 92]
+    state, verified = proxy.verify(state, draft, np.array([3, 0], np.int32))
+    _same_on_the_worker(pair, (state, verified))
+
+    state, logits = proxy.decode_logits(state)
+    words = -(-model.config.vocab_size // 32)
+    mask = np.zeros((2, words), np.int32)
+    mask[:, 0] = 0b1010  # only ids 1 and 3 allowed
+    state, out = proxy.decode_sample(state, logits, mask)
+    _same_on_the_worker(pair, (state, out))
+    assert int(np.asarray(out.tokens)[0]) in (1, 3)
+    assert not pair.exits
     pair.lane.close()
 
 
