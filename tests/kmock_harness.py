@@ -216,6 +216,10 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
     emulator.resources["v1/pods"] = info(kind="Pod", singular="pod", namespaced=True, verbs=VERBS)
     emulator.resources["v1/services"] = info(kind="Service", singular="service", namespaced=True, verbs=VERBS)
     emulator.resources["v1/events"] = info(kind="Event", singular="event", namespaced=True, verbs=VERBS)
+    emulator.resources["v1/secrets"] = info(kind="Secret", singular="secret", namespaced=True, verbs=VERBS)
+    emulator.resources["networking.k8s.io/v1/networkpolicies"] = info(
+        kind="NetworkPolicy", singular="networkpolicy", namespaced=True, verbs=VERBS
+    )
     emulator.resources["apps/v1/deployments"] = info(
         kind="Deployment",
         singular="deployment",

@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 import urllib3
 
-from vsurge_operator import apply, crd, kube, metrics, reconcile, scaling, tracing
+from vsurge_operator import apply, crd, kube, lane, manifests, metrics, reconcile, scaling, status, tracing
 from vsurge_operator import spec as specmod
 from vsurge_operator.config import OperatorConfig
 
@@ -129,6 +129,17 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     def resync(body: kopf.Body, **_: Any) -> None:
         # Drift repair: a deleted or hand-edited workload, Service or PDB is put back; no write otherwise.
         run_reconcile(body, "timer")
+
+    @kopf.on.event("v1", "pods", labels={manifests.LABEL_MANAGED_BY: manifests.MANAGER}, registry=registry)
+    def pod_event(body: kopf.Body, **_: Any) -> None:
+        # a multi-host group's failure, recorded before the LeaderWorkerSet recreates the pod (lane.py)
+        try:
+            recorded = lane.record_failure(state.api, body, status.now_rfc3339())
+        except Exception as e:  # noqa: BLE001 - advisory: the resync still reads the pods
+            logger.warning("could not record a group failure: %s", reconcile.describe(e))
+            return
+        if recorded:
+            post_event(recorded[0], "Warning", lane.GROUP_FAILED, recorded[1])
 
     @kopf.on.delete(*RESOURCE, id="forget", optional=True, registry=registry)
     def forget(body: kopf.Body, **_: Any) -> None:

@@ -50,8 +50,14 @@ PDB = Resource("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget")
 POD = Resource("v1", "pods", "Pod")
 PVC = Resource("v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 INFERENCE_MODEL = Resource(crd.API_VERSION, crd.PLURAL, crd.KIND)
+# a multi-host model's step lane (lane.py): its secret and who may reach it
+SECRET = Resource("v1", "secrets", "Secret")
+NETWORK_POLICY = Resource("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy")
 
-BY_KIND = {r.kind: r for r in (DEPLOYMENT, LEADER_WORKER_SET, SERVICE, PDB, POD, PVC, INFERENCE_MODEL)}
+BY_KIND = {
+    r.kind: r
+    for r in (DEPLOYMENT, LEADER_WORKER_SET, SERVICE, PDB, POD, PVC, INFERENCE_MODEL, SECRET, NETWORK_POLICY)
+}
 
 
 def resource_of(obj: dict[str, Any]) -> Resource:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vsurge_operator import compile_cache, crd, gpu, podsecurity, rollout, tpu
+from vsurge_operator import compile_cache, crd, gpu, lane, podsecurity, rollout, tpu
 from vsurge_operator.spec import HTTP_PORT, METRICS_PORT, ModelSpec
 
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -363,7 +363,7 @@ def deployment(model: ModelSpec) -> dict[str, Any]:
     }
 
 
-# What `vsurge serve` reads to join a multi-host group (vsurge/distributed.py). The LeaderWorkerSet
+# What `vsurge serve` reads to join a multi-host group (vsurge/multihost/group.py). The LeaderWorkerSet
 # controller prepends LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX to each container's
 # environment, so these expand them. The step lane listens on the coordinator port + 1.
 COORDINATOR_PORT = 8476
@@ -375,10 +375,12 @@ GROUP_ENV = {
 }
 
 
-def group_pod_template(model: ModelSpec, *, leader: bool) -> dict[str, Any]:
-    """A LeaderWorkerSet pod: the pod template plus the process group's variables and ports. Only the
-    leader answers HTTP, so only it has probes; a worker exits when its leader is gone."""
+def group_pod_template(model: ModelSpec, *, leader: bool, lane_version: str | None = None) -> dict[str, Any]:
+    """A LeaderWorkerSet pod: the pod template plus the process group's variables and ports, and the step
+    lane's secret (lane.py; ``lane_version`` its digest). Only the leader answers HTTP, so only it has
+    probes; a worker exits when its leader is gone."""
     template = pod_template(model, probes=leader)
+    lane.mount(template, model, lane_version)
     c = template["spec"]["containers"][0]
     names = {e["name"] for e in c["env"]}
     c["env"] += [_value_env(k, v) for k, v in GROUP_ENV.items() if k not in names]
@@ -389,7 +391,7 @@ def group_pod_template(model: ModelSpec, *, leader: bool) -> dict[str, Any]:
     return template
 
 
-def leader_worker_set(model: ModelSpec) -> dict[str, Any]:
+def leader_worker_set(model: ModelSpec, lane_version: str | None = None) -> dict[str, Any]:
     assert model.placement is not None
     return {
         "apiVersion": LWS_API_VERSION,
@@ -404,15 +406,15 @@ def leader_worker_set(model: ModelSpec) -> dict[str, Any]:
                 # JAX program cannot continue with a missing process.
                 "size": model.placement.hosts,
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": group_pod_template(model, leader=True),
-                "workerTemplate": group_pod_template(model, leader=False),
+                "leaderTemplate": group_pod_template(model, leader=True, lane_version=lane_version),
+                "workerTemplate": group_pod_template(model, leader=False, lane_version=lane_version),
             },
         },
     }
 
 
-def workload(model: ModelSpec) -> dict[str, Any]:
-    return leader_worker_set(model) if model.multi_host else deployment(model)
+def workload(model: ModelSpec, lane_version: str | None = None) -> dict[str, Any]:
+    return leader_worker_set(model, lane_version) if model.multi_host else deployment(model)
 
 
 def service(model: ModelSpec) -> dict[str, Any]:
@@ -447,10 +449,13 @@ def pod_disruption_budget(model: ModelSpec) -> dict[str, Any]:
     }
 
 
-def desired_objects(model: ModelSpec) -> list[dict[str, Any]]:
-    """Everything the model needs, workload first."""
-    objects = [workload(model), service(model), pod_disruption_budget(model)]
+def desired_objects(model: ModelSpec, lane_version: str | None = None) -> list[dict[str, Any]]:
+    """Everything the model needs, workload first (a multi-host model's lane Secret is made apart, once:
+    ``lane.ensure_secret``; ``lane_version`` is its digest)."""
+    objects = [workload(model, lane_version), service(model), pod_disruption_budget(model)]
     claim = compile_cache.claim(model, _metadata(model))
     if claim is not None:
         objects.append(claim)
+    if model.multi_host:
+        objects.append(lane.network_policy(model))
     return objects

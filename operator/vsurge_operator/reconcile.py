@@ -14,7 +14,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from vsurge_operator import apply, kube, manifests, status, tracing, validation
+from vsurge_operator import apply, kube, lane, manifests, status, tracing, validation
 from vsurge_operator import spec as specmod
 from vsurge_operator.config import OperatorConfig
 
@@ -84,7 +84,8 @@ class Reconciler:
 
         model = specmod.parse(body, default_image=self.config.model_images())
         outcome = Outcome()
-        for obj in manifests.desired_objects(model):
+        lane_version = lane.ensure_secret(self.api, model) if model.multi_host else None
+        for obj in manifests.desired_objects(model, lane_version):
             try:
                 applied = apply.ensure(self.api, obj, model.uid)
             except ApiException as e:
@@ -106,6 +107,12 @@ class Reconciler:
         if stale and apply.remove_if_controlled(self.api, kube.BY_KIND[old_kind], namespace, name, model.uid):
             outcome.removed.append(old_kind)
             self.events(body, "Normal", "Deleted", f"Deleted {old_kind} {name} (replaced by {new_kind})")
+        if stale and not model.multi_host:  # one host now: no step lane
+            for kind in lane.remove(self.api, model):
+                outcome.removed.append(kind)
+                self.events(
+                    body, "Normal", "Deleted", f"Deleted {kind} {lane.name(model)} (one host: no lane)"
+                )
 
         pods = self._pods(model)
         new = status.reconciled(model, outcome.applied[0].live, previous, now, pods)

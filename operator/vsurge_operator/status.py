@@ -11,7 +11,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vsurge_operator import manifests
+from vsurge_operator import lane, manifests
 from vsurge_operator.spec import ModelSpec
 
 READY = "Ready"
@@ -122,11 +122,14 @@ def reconciled(
         progressing = condition(PROGRESSING, False, "Stable", f"{kind} has {desired} ready replicas", gen)
 
     bad_source = source_error(pods)
+    group_failed = lane.group_failure(pods) if model.multi_host else None
     if bad_source:
         degraded = condition(DEGRADED, True, MODEL_SOURCE_ERROR, bad_source, gen)
+    elif group_failed and ready < desired:
+        degraded = condition(DEGRADED, True, lane.GROUP_FAILED, group_failed, gen)
     else:
         degraded = condition(DEGRADED, False, "AsExpected", "", gen)
-    return {
+    out = {
         "observedGeneration": gen,
         "replicas": replicas,
         "readyReplicas": ready,
@@ -136,6 +139,11 @@ def reconciled(
         "workloadKind": kind,
         "conditions": merge_conditions(previous.get("conditions"), [ready_cond, progressing, degraded], now),
     }
+    if group_failed:  # kept once seen: LeaderWorkerSet recreates the group, and the pod's message with it
+        out["lastGroupFailure"] = {"message": group_failed, "observedAt": now}
+        if (previous.get("lastGroupFailure") or {}).get("message") == group_failed:
+            out["lastGroupFailure"] = previous["lastGroupFailure"]
+    return out
 
 
 def failed(

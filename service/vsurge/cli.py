@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vsurge.distributed import parse_address, parse_non_negative
+from vsurge.compilation_cache import enable_compilation_cache as _enable_compilation_cache
 from vsurge.engine_config import EngineConfig, env_name, flag_name, serve_fields
 from vsurge.env_options import (
     add_env_arguments,
@@ -31,6 +31,7 @@ from vsurge.env_options import (
     parse_float,
     parse_int,
 )
+from vsurge.multihost.group import parse_address, parse_non_negative
 
 DEFAULT_PORT = 11556
 
@@ -192,7 +193,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "(default: the family the chat template writes)",
         "NAME",
     ),
-    # A multi-host slice (vsurge/distributed.py): unset, a LeaderWorkerSet's LWS_* variables decide.
+    # A multi-host slice (vsurge/multihost/group.py): unset, a LeaderWorkerSet's LWS_* variables decide.
+    # The step lane's secret (VSURGE_LANE_SECRET_FILE) and failure bound (VSURGE_LANE_TIMEOUT_S) are
+    # environment only: a secret never goes on a command line.
     Option(
         "--coordinator-address",
         "VSURGE_COORDINATOR_ADDRESS",
@@ -215,7 +218,17 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "VSURGE_JOIN_TIMEOUT",
         _positive_float,
         300.0,
-        "multi-host: seconds to wait for the other processes (a worker without a leader exits then)",
+        "multi-host: seconds to wait for the other processes to join and reach the step lane (a worker "
+        "without a leader exits then)",
+        "S",
+    ),
+    Option(
+        "--start-timeout",
+        "VSURGE_START_TIMEOUT",
+        _positive_float,
+        1800.0,
+        "multi-host: seconds the group may take to load the model on every process (a slow leader is "
+        "waited for while it beats; past this the whole group exits)",
         "S",
     ),
 )
@@ -243,6 +256,7 @@ class ServeConfig:
     num_processes: int | None = None
     process_id: int | None = None
     join_timeout: float = 300.0
+    start_timeout: float = 1800.0
     tool_call_parser: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -323,18 +337,6 @@ def build_surge(cfg: ServeConfig, model: Any, processor: Any, mesh: Any = None) 
     return vSurge.create(model, processor, cfg.engine.replace(mesh=mesh), vsurge_name=cfg.model_name)
 
 
-def _enable_compilation_cache() -> None:
-    """Keep compiled programs on disk (next to the model cache): a restart skips most of the compile."""
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return  # the user chose one
-    import jax
-
-    from vsurge.models.default_model import cache_dir
-
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def build_api(cfg: ServeConfig) -> Any:
     """The server with `cfg`'s server options and no model yet (startup adds it)."""
     from vsurge.server import vSurgeApiServer
@@ -352,13 +354,13 @@ def run_serve(cfg: ServeConfig) -> int:
     from vsurge.server import vSurgeApiServer
     from vsurge.server.runner import serve
 
-    try:  # a multi-host slice: join the group first; a worker only replays the leader (multihost.py)
-        group = multihost.join_group(cfg)
+    try:  # a multi-host slice: join the group first; a worker only replays the leader (vsurge/multihost)
+        group = multihost.start_group(cfg)
     except (ValueError, RuntimeError) as e:
         print(f"vsurge serve: {e}", file=sys.stderr)
         return 1
-    if group is not None and not group.is_leader:
-        return multihost.run_worker(cfg, group)
+    if group is not None and not group.group.is_leader:
+        multihost.run_worker(cfg, group)  # ends the process
     leader = multihost.Leader(group) if group is not None else None
     api = build_api(cfg)
 
@@ -392,6 +394,7 @@ def run_serve(cfg: ServeConfig) -> int:
         for phase, seconds in phases.items():
             api.metrics.load_seconds.labels(cfg.model_name, phase).set(seconds)
 
+    code, error = 0, None
     try:
         serve(
             api,
@@ -408,8 +411,10 @@ def run_serve(cfg: ServeConfig) -> int:
         from vsurge.models.sources.errors import write_termination_log
 
         write_termination_log(e)  # the pod's termination message: the operator reads it
-        return 1
-    return 0
+        code, error = 1, e
+    if leader is not None:
+        leader.finish(code, error)  # the workers learn why; the process ends here
+    return code
 
 
 # ---------------------------------------------------------------------------------------- bench

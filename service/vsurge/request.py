@@ -24,6 +24,10 @@ class RequestFailedError(RuntimeError):
     """One request failed inside the engine; others are unaffected. The message gives the reason."""
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot run: a process of the multi-host group died or stopped answering (HTTP 503)."""
+
+
 @dataclass
 class vSurgeMetadata:  # noqa: N801 - the seed's name
     """Timestamps of one request's life, filled by vSurge and the driver."""

@@ -5,6 +5,7 @@ references. The test plays the kubelet (pods Ready on 127.0.0.X) and kubectl.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 
 import pytest
@@ -21,7 +22,7 @@ from clusterkit import (
     wait_for,
 )
 
-from vsurge_operator import kube
+from vsurge_operator import kube, lane
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -183,6 +184,22 @@ def test_tpu_single_host_deployment_multi_host_lws_switch_and_invalid(k8s, api, 
     lws = wait_for(lambda: api.get(kube.LEADER_WORKER_SET, namespace, "big"), message="LeaderWorkerSet")
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == 4
     assert lws["metadata"]["ownerReferences"][0]["uid"] == big["metadata"]["uid"]
+    # its step lane (operator/vsurge_operator/lane.py), as the real API server stored it: the Secret the
+    # leader and the workers mount, and the NetworkPolicy that keeps other pods off the lane
+    secret = api.get(kube.SECRET, namespace, "big-lane")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == big["metadata"]["uid"]
+    assert len(base64.b64decode(secret["data"]["lane.key"])) >= 32
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = lws["spec"]["leaderWorkerTemplate"][role]
+        assert pod["metadata"]["annotations"]["vsurge.io/lane-secret"] == lane.version(secret)
+        (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == lane.VOLUME]
+        assert vol["secret"]["secretName"] == "big-lane"
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["VSURGE_LANE_SECRET_FILE"] == f"{lane.SECRET_DIR}/lane.key"
+    policy = wait_for(lambda: api.get(kube.NETWORK_POLICY, namespace, "big-lane"), message="NetworkPolicy")
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == big["metadata"]["uid"]
+    ports = {p["port"] for p in policy["spec"]["ingress"][1]["ports"]}
+    assert 8477 not in ports and 8476 not in ports
     wait_for(
         lambda: _status(api, namespace, "big").get("workloadKind") == "LeaderWorkerSet", message="status"
     )
@@ -198,10 +215,11 @@ def test_tpu_single_host_deployment_multi_host_lws_switch_and_invalid(k8s, api, 
     )
     assert any(e["involvedObject"]["name"] == "bad" for e in events(api, namespace, "InvalidSpec"))
 
-    # Several hosts -> one host: the LeaderWorkerSet is replaced by a Deployment.
+    # Several hosts -> one host: the LeaderWorkerSet is replaced by a Deployment, and the lane's policy goes.
     api.patch(IM, namespace, "big", {"spec": {"tpu": {"topology": "2x4"}}})
     wait_for(lambda: api.get(kube.DEPLOYMENT, namespace, "big"), message="big Deployment")
     wait_for(lambda: api.get(kube.LEADER_WORKER_SET, namespace, "big") is None, message="LWS deleted")
+    wait_for(lambda: api.get(kube.NETWORK_POLICY, namespace, "big-lane") is None, message="policy deleted")
     wait_for(
         lambda: _status(api, namespace, "big").get("workloadKind") == "Deployment", message="status kind"
     )

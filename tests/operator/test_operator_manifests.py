@@ -65,7 +65,8 @@ def test_objects_pass_the_kubernetes_schemas(name):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_owner_labels_and_selectors_are_consistent(name):
     m = MODELS[name]
-    workload, svc, pdb = manifests.desired_objects(m)
+    workload, svc, pdb, *lane_objects = manifests.desired_objects(m)
+    assert [o["kind"] for o in lane_objects] == (["NetworkPolicy"] if m.multi_host else [])
     owner = {
         "apiVersion": "vsurge.io/v1alpha1",
         "kind": "InferenceModel",

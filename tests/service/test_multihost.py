@@ -1,27 +1,23 @@
 """Multi-host slices on CPU: real `vsurge serve` processes on loopback forming one JAX process group (gloo),
 one mesh over all their devices, the leader serving the official `openai` client and the workers replaying
-its engine calls over the step lane (vsurge/engines/lockstep.py).
+its engine calls over the authenticated step lane (vsurge/multihost).
 
-Fast tests: where the group comes from (options, LeaderWorkerSet variables) and a worker without a leader.
-The serving matrix (processes x devices x mesh x driver) compiles a whole engine per group: slow.
+Fast tests: where the group comes from (options, LeaderWorkerSet variables), a worker without a leader, a
+group without a lane secret. The serving matrix (processes x devices x mesh x driver) compiles a whole
+engine per group: slow. Faults and forged peers: test_multihost_faults.py; features: test_multihost_features.py.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-import httpx
 import pytest
+from multihost_group import SERVE, TEST_LANE_TIMEOUT_S, Group, base_env, client, held, ports, write_secret
 
 from vsurge.cli import ConfigError, parse_serve_config
-from vsurge.distributed import COORDINATOR_PORT, ProcessGroup, resolve
+from vsurge.multihost.group import COORDINATOR_PORT, ProcessGroup, lane_timeout, resolve
 
 # ------------------------------------------------------------------------------------ the group
 
@@ -66,92 +62,6 @@ def test_serve_reads_the_group_options():
 # ------------------------------------------------------------------------------------ processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ports() -> tuple[int, int]:
-    """(HTTP port, coordinator port) with the coordinator port + 1 (the step lane) free too."""
-    while True:
-        c = _free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", c + 1))
-        except OSError:
-            continue
-        return _free_port(), c
-
-
-def _env(devices: int, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VSURGE_", "LWS_", "TPU_"))}
-    env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-        PYTHONUNBUFFERED="1",
-        VSURGE_LANE_TIMEOUT="20",  # 2 shared cores: a starved leader may not ping for seconds
-    )
-    env.update(extra)
-    return env
-
-
-class Group:
-    """`vsurge serve` x N on loopback: process 0 serves HTTP, the others are its workers."""
-
-    def __init__(self, tmp: Path, model: str, processes: int, devices: int, mesh: str, driver: str):
-        self.port, coordinator = _ports()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.logs = [tmp / f"process-{i}.log" for i in range(processes)]
-        self.procs = []
-        for i in range(processes):
-            env = _env(
-                devices,
-                VSURGE_COORDINATOR_ADDRESS=f"127.0.0.1:{coordinator}",
-                VSURGE_NUM_PROCESSES=str(processes),
-                VSURGE_PROCESS_ID=str(i),
-                VSURGE_JOIN_TIMEOUT="120",
-                VSURGE_MODEL=model,
-                VSURGE_SERVED_MODEL_NAME="tiny",
-                VSURGE_MESH=mesh,
-                VSURGE_DRIVER=driver,
-                VSURGE_MAX_LENGTH="64",
-                VSURGE_PREFILL_LENGTHS="32",
-                VSURGE_MAX_CONCURRENT_DECODES="2",
-                VSURGE_PAGE_SIZE="16",
-                VSURGE_HOST="127.0.0.1",
-                VSURGE_PORT=str(self.port),
-                VSURGE_METRICS_PORT="-1",
-            )
-            cmd = [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())", "serve"]
-            with open(self.logs[i], "w") as log:
-                self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-
-    def log(self, i: int = 0) -> str:
-        text = self.logs[i].read_text(errors="replace")
-        return "\n".join(line for line in text.splitlines() if "[Gloo]" not in line)[-4000:]
-
-    def wait_ready(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for i, p in enumerate(self.procs):
-                assert p.poll() is None, f"process {i} exited {p.returncode}:\n{self.log(i)}"
-            try:
-                if httpx.get(f"{self.url}/readiness", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise AssertionError(f"not ready in {timeout}s:\n{self.log(0)}\n{self.log(1)}")
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            p.wait(timeout=30)
-
-
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150, 61, 88, 12, 250, 9]]
 MAX_TOKENS = 8
 
@@ -170,12 +80,6 @@ def checkpoint(tmp_path_factory):
     return str(d), [greedy_by_recompute(model, p, MAX_TOKENS) for p in PROMPTS]
 
 
-def _client(group: Group):
-    import openai
-
-    return openai.OpenAI(base_url=f"{group.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
 def _greedy_tokens(client, prompt: list[int]) -> list[int]:
     r = client.completions.create(
         model="tiny",
@@ -187,182 +91,94 @@ def _greedy_tokens(client, prompt: list[int]) -> list[int]:
     return list(r.choices[0].model_extra["token_ids"])
 
 
-def _held(group: Group, i: int) -> tuple[float, float]:
-    m = re.search(r"holds ([0-9.]+) MiB of the model's ([0-9.]+) MiB", group.logs[i].read_text())
-    assert m, group.log(i)
-    return float(m.group(1)), float(m.group(2))
-
-
-def _serve_and_compare(tmp_path, checkpoint, processes, devices, mesh, driver) -> Group:
+@pytest.mark.slow  # compiles a sharded engine in two processes: a minute or more on 2 shared cores
+@pytest.mark.timeout(1800)
+def test_the_group_forms_when_the_leader_comes_late_then_drains(tmp_path, checkpoint):
+    """The worker starts first and waits (backoff) for a leader that comes 20 s later; the group forms,
+    each process holds only its shards, serves the single-process tokens; a drain ends every process 0."""
     model, reference = checkpoint
-    group = Group(tmp_path, model, processes, devices, mesh, driver)
+    group = Group(tmp_path, model, 2, 4, "tp=8", "vdriver", order=[1, 0], delay=20)
     try:
         group.wait_ready()
-        for i in range(processes):
-            local, total = _held(group, i)
-            if mesh == "tp=8":  # tp spans the processes: each holds (and read) only its devices' shards
-                assert local < total * 0.75, (i, local, total)
-            else:  # dp=2 over two processes: each holds a whole tp=4 replica
-                assert local == total, (i, local, total)
-        client = _client(group)
-        got = [_greedy_tokens(client, p) for p in PROMPTS]
-        assert got == reference, f"{processes}x{devices} {mesh} {driver}: {got} != {reference}"
-    except BaseException:
-        group.close()
-        raise
-    return group
-
-
-@pytest.mark.slow  # compiles a sharded engine in two processes: minutes on 2 shared cores
-@pytest.mark.timeout(1800)
-def test_two_processes_tp8_vdriver_then_a_worker_dies(tmp_path, checkpoint):
-    group = _serve_and_compare(tmp_path, checkpoint, 2, 4, "tp=8", "vdriver")
-    try:
-        import openai
-
-        client = _client(group)
-        # a long stream is running when the worker dies: it ends with 503 engine_unavailable, never hangs
-        stream = client.completions.create(
-            model="tiny",
-            prompt=PROMPTS[0],
-            max_tokens=50,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        next(iter(stream))
-        group.procs[1].kill()
-        t0 = time.monotonic()
-        with pytest.raises(openai.APIError) as err:
-            for _ in stream:
-                pass
-        assert "engine_unavailable" in str(err.value) or "unavailable" in str(err.value).lower()
-        r = httpx.post(
-            f"{group.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30
-        )
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
-        assert r.headers["Retry-After"]
-        assert httpx.get(f"{group.url}/readiness", timeout=10).status_code == 503
-        rc = group.procs[0].wait(timeout=60)
-        assert rc != 0 and time.monotonic() - t0 < 30, group.log(0)
-        assert "worker 1 closed the step lane" in group.log(0)
+        for i in range(2):
+            local, total = held(group, i)
+            assert local < total * 0.75, (i, local, total)  # tp spans the processes: its devices' shards only
+        got = [_greedy_tokens(client(group), p) for p in PROMPTS]
+        assert got == reference, f"{got} != {reference}"
+        group.procs[0].send_signal(signal.SIGINT)  # a drain: the leader stops its worker, both exit 0
+        assert group.wait_exits(120) == [0, 0], (group.log(0), group.log(1))
+        assert "the leader stopped; exiting" in group.log(1)
     finally:
         group.close()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_two_processes_dp2_tp4_odriver_then_a_worker_hangs(tmp_path, checkpoint):
-    group = _serve_and_compare(tmp_path, checkpoint, 2, 4, "dp=2,tp=4", "odriver")
+@pytest.mark.timeout(600)  # two processes join a JAX group, nothing compiles: seconds
+@pytest.mark.parametrize("broken", [0, 1], ids=["leader", "worker"])
+def test_a_start_up_error_on_any_process_ends_the_whole_group(tmp_path, checkpoint, broken):
+    """One process cannot load its model: every process exits 1 within the lane's bound of the error,
+    and every log says why (no process waits minutes in JAX's shutdown barrier)."""
+    model, _ = checkpoint
+    bad = {broken: {"VSURGE_MODEL": str(tmp_path / "no-such-model")}}
+    group = Group(tmp_path, model, 2, 4, "tp=8", "vdriver", env=bad)
     try:
-        os.kill(group.procs[1].pid, signal.SIGSTOP)  # alive but silent: the heartbeat times out (20 s here)
-        t0 = time.monotonic()
-        rc = group.procs[0].wait(timeout=60)
-        assert rc != 0 and time.monotonic() - t0 < 60, group.log(0)
-        assert "worker 1 sent no heartbeat" in group.log(0)
-    finally:
-        with __import__("contextlib").suppress(ProcessLookupError):
-            os.kill(group.procs[1].pid, signal.SIGCONT)
-        group.close()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_four_processes_two_devices_each(tmp_path, checkpoint):
-    group = _serve_and_compare(tmp_path, checkpoint, 4, 2, "tp=8", "vdriver")
-    try:
-        group.procs[0].send_signal(signal.SIGINT)  # a drain: the leader stops its workers, all exit 0
-        assert group.procs[0].wait(timeout=120) == 0, group.log(0)
-        for i, p in enumerate(group.procs[1:], 1):
-            assert p.wait(timeout=60) == 0, group.log(i)
+        deadline = time.monotonic() + 300
+        while all(p.poll() is None for p in group.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = time.monotonic()
+        codes = group.wait_exits(60)
+        spread = time.monotonic() - first
+        print(f"\nstart-up error on process {broken}: every process exited {spread:.2f}s after the first")
+        assert codes == [1, 1], (codes, group.log(0), group.log(1))
+        assert spread <= TEST_LANE_TIMEOUT_S, spread
+        assert "no-such-model" in group.log(0) and "no-such-model" in group.log(1)
+        role = "the leader failed to start" if broken == 0 else "worker 1"
+        assert role in group.log(1 - broken), group.log(1 - broken)
+        # the leader's termination message (the operator reads it) names what failed
+        assert ("ModelSourceError" if broken == 0 else "GroupFailedError") in group.termination[0].read_text()
+        assert "no-such-model" in group.termination[0].read_text()
     finally:
         group.close()
 
 
 def test_a_worker_without_a_leader_exits_with_a_message(tmp_path):
-    _, coordinator = _ports()
-    env = _env(
+    _, coordinator = ports()
+    env = base_env(
         2,
         VSURGE_COORDINATOR_ADDRESS=f"127.0.0.1:{coordinator}",
         VSURGE_NUM_PROCESSES="2",
         VSURGE_PROCESS_ID="1",
         VSURGE_JOIN_TIMEOUT="3",
+        VSURGE_MESH="tp=4",
+        VSURGE_LANE_SECRET_FILE=str(write_secret(tmp_path)),
         VSURGE_MODEL=str(tmp_path / "never-loaded"),
     )
-    cmd = [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())", "serve"]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(SERVE, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "process 1 could not join the group of 2 processes" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 60
 
 
-# ------------------------------------------------------------------------------------ the lane, in one process
-
-
-def test_the_step_lane_replays_every_call_on_a_second_engine(checkpoint, monkeypatch):
-    """Leader and worker engines in one process (one device, no collectives), joined by a real step lane:
-    the worker's engine, fed only what crosses the lane, makes the leader's tokens; a worker that goes
-    silent breaks the lane and every later call says so."""
-    import threading
-
-    import jax
-    import numpy as np
-
-    import vsurge
-    from vsurge.distributed import EngineUnavailableError
-    from vsurge.engine_config import EngineConfig
-    from vsurge.engines import lockstep
-    from vsurge.sampling_params import SamplingParams
-
-    monkeypatch.setattr(lockstep, "LANE_TIMEOUT_S", 5.0)  # the silent worker below is noticed sooner
-    model_dir, reference = checkpoint
-    model, tok = vsurge.load_model(model_dir)
-    _, coordinator = _ports()
-    group = ProcessGroup(f"127.0.0.1:{coordinator}", 2, 0, "options")
-    lane = lockstep.LeaderLane(group, host="127.0.0.1")
-    exits = []
-    worker = lockstep.Worker(
-        ProcessGroup(group.coordinator_address, 2, 1, "options"), model, tok, None, exit=exits.append
+@pytest.mark.parametrize("pid", ["0", "1"])
+def test_a_group_without_a_lane_secret_is_refused_before_it_joins(tmp_path, pid):
+    _, coordinator = ports()
+    env = base_env(
+        2,
+        VSURGE_COORDINATOR_ADDRESS=f"127.0.0.1:{coordinator}",
+        VSURGE_NUM_PROCESSES="2",
+        VSURGE_PROCESS_ID=pid,
+        VSURGE_JOIN_TIMEOUT="300",
+        VSURGE_MESH="tp=4",
+        VSURGE_MODEL=str(tmp_path / "never-loaded"),
     )
-    done = {}
-    threading.Thread(
-        target=lambda: (worker.connect(30), done.setdefault("rc", worker.run())), daemon=True
-    ).start()
-    lane.accept(30)
-    config = EngineConfig(max_concurrent_decodes=2, max_length=64, prefill_lengths=(32,))
-    engine = lockstep.build_engine(model, tok, config)
-    lane._send(("engine", lockstep.engine_setup(engine, config)))
-    proxy = lockstep.LeaderEngine(engine, lane)
+    proc = subprocess.run(SERVE, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "needs a step-lane secret: set VSURGE_LANE_SECRET_FILE" in proc.stderr, proc.stderr[-2000:]
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    state = proxy.init_decode_state()
-    rows = [[] for _ in PROMPTS]
-    for slot, prompt in enumerate(PROMPTS):
-        prefix = proxy.prefill(prompt, greedy)
-        state, first = proxy.insert(prefix, state, slot, length=len(prompt))
-        rows[slot].append(int(np.asarray(first.tokens)[0]))
-    for _ in range(MAX_TOKENS - 1):
-        state, out = proxy.decode(state)
-        for slot, t in enumerate(np.asarray(out.tokens)[: len(PROMPTS)]):
-            rows[slot].append(int(t))
-    assert rows == reference and not exits
-    # the worker ran the same calls: its decode state holds the same next tokens as the leader's
-    n = lane._calls - 1  # the last decode: its result leaves are handles (n, i) on the worker
-    leader_leaves = jax.tree_util.tree_leaves((state, out))
-    tokens_index = next(i for i, x in enumerate(leader_leaves) if x is state.tokens)
-    # the worker counts a call when it starts it and holds its results once it has run it
-    deadline = time.monotonic() + 30
-    while (n, tokens_index) not in worker.handles and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert np.array_equal(np.asarray(worker.handles[(n, tokens_index)]), np.asarray(state.tokens))
-    assert proxy.check_prompt([1, 2, 3]) == 3 and lane._calls == n + 1  # host-only: not sent
 
-    # the worker goes silent (no heartbeat): the lane breaks within its timeout, calls say so
-    worker._closed = True
-    t0 = time.monotonic()
-    assert lane.wait_failed(lockstep.LANE_TIMEOUT_S + 10), "the lane did not notice a silent worker"
-    assert time.monotonic() - t0 <= lockstep.LANE_TIMEOUT_S + 10
-    with pytest.raises(EngineUnavailableError, match="worker 1"):
-        proxy.decode(state)
-    lane.close()
+def test_the_lane_timeout_setting():
+    assert lane_timeout({}) == 10.0
+    assert lane_timeout({"VSURGE_LANE_TIMEOUT_S": "4.5"}) == 4.5
+    for bad in ("0", "abc", "-3", "7200"):
+        with pytest.raises(ValueError, match="VSURGE_LANE_TIMEOUT_S"):
+            lane_timeout({"VSURGE_LANE_TIMEOUT_S": bad})

@@ -187,6 +187,15 @@ Operator RBAC, one rule per (apiGroup, resource) so that it reads as the table t
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# A multi-host model's step lane (operator/vsurge_operator/lane.py): its Secret, created once and read
+# back only for its digest (never updated, never deleted: garbage-collected with the model), and the
+# NetworkPolicy that keeps other pods off the lane.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The autoscaler finds the ready pods of a model to scrape their /metrics.
 - apiGroups: [""]
   resources: ["pods"]

@@ -30,8 +30,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..distributed import put_host
 from ..engine_config import EngineConfig
+from ..engines.host_arrays import put_host
 from ..engines.mixed_step import ChunkWork
 from ..engines.oengine import oEngine
 from ..engines.page_scheduler import Chunk, PageScheduler, Seq

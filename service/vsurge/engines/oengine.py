@@ -40,6 +40,7 @@ from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
 from ..models.pallas_sharded import configure as configure_attention
 from ..sampling_params import SamplingParams
 from .engine_base import EngineBase, _doubling, compile_jobs, constrain, decode_buckets, sampling_context
+from .host_arrays import put_host
 from .kernel_fallback import compile_with_fallback
 from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
 from .paging import HBMPageManager, PagedAttentionCache
@@ -324,7 +325,7 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
             state, self._spare = self._spare, None
             return state
         s, v = self.max_concurrent_decodes, self.config.vocab_size
-        put = partial(jax.device_put, device=self._replicated())
+        put = partial(put_host, sharding=self._replicated())  # no collective across processes
         sampling = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
         return PagedState(
             pages=self.storage.allocate(),
@@ -346,7 +347,7 @@ class oEngine(EngineBase):  # noqa: N801 - the seed's name
     ) -> SeqInputs:
         """Device inputs for sampling a sequence's next token after its prefill (or recompute)."""
         v = self.config.vocab_size
-        put = partial(jax.device_put, device=self._replicated())
+        put = partial(put_host, sharding=self._replicated())  # no collective across processes
         row = make_slot_sampling([params], keys=[key], stop_ids=[list(stop_ids)[:DEFAULT_MAX_STOP_IDS]])
         mask = np.zeros(v, bool)
         mask[np.asarray(prompt_ids, np.int64)] = True

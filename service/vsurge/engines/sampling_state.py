@@ -118,7 +118,10 @@ def make_slot_sampling(
     for i, p in enumerate(params):
         if keys is not None:
             cols["key"][i] = keys[i]
-        elif p is not None:
+        elif p is not None and p.seed is not None:
+            # unseeded: a fixed placeholder; an engine never draws entropy itself (each process of a
+            # multi-host group would draw its own): the request's key is drawn once with the request
+            # (ActiveRequest.keys) and passed where it samples
             cols["key"][i] = seed_key_data(p.seed)
         if p is None:
             continue

@@ -32,7 +32,7 @@ from flax import nnx
 
 from ..models.attention import as_given, flat_cache, kv_store, read_chunk, read_dense_rows, to_flat
 from ..sampling_params import SamplingParams
-from .engine_base import constrain
+from .engine_base import constrain, sampling_context
 from .sampling import SlotSampling, sample
 from .speculative import verify
 
@@ -111,9 +111,12 @@ def _verify_step_impl(
     logits = model.compute_logits(hidden.reshape(rows * (k + 1), -1)).reshape(rows, k + 1, -1)
     sampling = SlotSampling(*(a[:rows] for a in state.sampling))
     steps = state.steps[:rows]
-    res = verify(logits, draft, num_draft, sampling.temperature, sampling.key, steps)
-    # rows without a draft decode exactly as an ordinary step: the engine's sampler at position 0
-    plain = sample(logits[:, 0], sampling, state.counts[:rows], state.prompt_mask[:rows], steps, num_top)
+    # traced for a partitioned program on a mesh, as the decode step's sampler is (both take top_k: XLA's
+    # TopkDecomposer crashes on the barrier an unpartitioned program puts after it)
+    with sampling_context(shardings):
+        res = verify(logits, draft, num_draft, sampling.temperature, sampling.key, steps)
+        # rows without a draft decode exactly as an ordinary step: the engine's sampler at position 0
+        plain = sample(logits[:, 0], sampling, state.counts[:rows], state.prompt_mask[:rows], steps, num_top)
     no_draft = num_draft == 0
     first = jnp.where(no_draft, plain.tokens, res.tokens[:, 0])
     tokens = res.tokens.at[:, 0].set(first)

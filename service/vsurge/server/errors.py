@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vsurge.distributed import EngineUnavailableError
-from vsurge.request import PromptTooLongError, QueueFullError, RequestFailedError
+from vsurge.request import EngineUnavailableError, PromptTooLongError, QueueFullError, RequestFailedError
 from vsurge.sampling_params import InvalidSamplingParams
 
 # Seconds a client should wait before retrying a 429 / 503; small because slots free up quickly.

@@ -1,8 +1,8 @@
-"""Multi-host slices: which JAX process group this `vsurge serve` joins, and joining it.
+"""Which JAX process group this `vsurge serve` joins, and joining it.
 
 A slice larger than one host runs one `vsurge serve` per host (one pod per host of a LeaderWorkerSet). They
 form one JAX process group, so the mesh covers every chip of the slice; process 0 (the leader) serves HTTP
-and schedules, the others (workers) replay its engine calls in lockstep (``engines/lockstep.py``).
+and schedules, the others (workers) replay its engine calls in lockstep (``multihost/lane_*.py``).
 
 Where the group comes from, first match wins:
 
@@ -28,48 +28,35 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "COORDINATOR_PORT",
-    "LANE_PORT_OFFSET",
-    "LWS_VARIABLES",
-    "EngineUnavailableError",
-    "ProcessGroup",
-    "check_mesh",
-    "join",
-    "put_host",
-    "resolve",
-]
-
 COORDINATOR_PORT = 8476  # JAX's coordinator on the leader (the port JAX's TPU detection uses too)
 LANE_PORT_OFFSET = 1  # the step lane: coordinator port + 1 (8477 by default)
 DEFAULT_JOIN_TIMEOUT_S = 300.0
-# The step lane's own fault detection (engines/lockstep.py): a peer silent this long breaks the lane.
-LANE_TIMEOUT_S = float(os.environ.get("VSURGE_LANE_TIMEOUT", "10"))  # tests lengthen it on 2 cores
-# JAX's coordination service aborts every process once a peer misses heartbeats (it fired ~18 s into a
-# 30 s setting here): kept well above the lane's, so the lane notices first and in-flight requests get
-# their 503 engine_unavailable and the leader its clear message before JAX's abort.
-JAX_HEARTBEAT_TIMEOUT_S = int(max(30.0, 4 * LANE_TIMEOUT_S + 20))
+DEFAULT_LANE_TIMEOUT_S = 10.0
 # What a LeaderWorkerSet injects into every pod of a group (read here, set by the LWS controller).
 LWS_VARIABLES = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
 
 
-def put_host(value: Any, sharding: Any) -> Any:
-    """A host array placed on ``sharding`` with no collective, also when the sharding spans processes.
+def lane_timeout(env: Mapping[str, str] | None = None) -> float:
+    """``VSURGE_LANE_TIMEOUT_S`` (default 10 s): the bound on noticing a dead or wedged process. A peer
+    silent for 60% of it, or a step running longer than it, breaks the group (``lane_leader.py``)."""
+    env = os.environ if env is None else env
+    text = env.get("VSURGE_LANE_TIMEOUT_S", "").strip()
+    if not text:
+        return DEFAULT_LANE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"VSURGE_LANE_TIMEOUT_S: expected seconds, got {text!r}") from None
+    if not 1.0 <= value <= 3600.0:
+        raise ValueError(f"VSURGE_LANE_TIMEOUT_S: must be between 1 and 3600 seconds, got {value:g}")
+    return value
 
-    ``jax.device_put`` onto a sharding with devices of other processes first checks with them that the
-    value is the same everywhere (a collective). The leader's driver puts its page table before the call
-    that uses it goes down the step lane, so the workers never join that check and the leader waits forever.
-    Each process here fills only its own devices' shards from its own copy.
-    """
-    import jax
 
-    if jax.process_count() == 1 or sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot run: a process of the multi-host group died or stopped answering (HTTP 503)."""
+def jax_heartbeat_timeout(lane_timeout_s: float) -> int:
+    """JAX's coordination service aborts every process once a peer misses its heartbeats (it fired ~18 s
+    into a 30 s setting here): kept well above the lane's bound, so the lane notices first and in-flight
+    requests get their 503 and every log its clear message before JAX's abort."""
+    return int(max(30.0, 4 * lane_timeout_s + 20))
 
 
 @dataclass(frozen=True)
@@ -163,31 +150,33 @@ def resolve(
     return group
 
 
-def join(group: ProcessGroup) -> ProcessGroup:
+def join(group: ProcessGroup, lane_timeout_s: float = DEFAULT_LANE_TIMEOUT_S) -> ProcessGroup:
     """Join the JAX process group (before any other JAX call); returns the group with its process id.
 
     On CPU the collectives go over gloo, and every program runs to its end before the next one starts
-    (see ``serialize_cpu_programs``). Raises RuntimeError with a clear message when the others do not come.
+    (see ``cpu_programs.serialize_cpu_programs``). Raises RuntimeError with a clear message when the others
+    do not come.
     """
     import jax
 
+    from .cpu_programs import serialize_cpu_programs
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeout = max(1, int(group.join_timeout))
+    beat = jax_heartbeat_timeout(lane_timeout_s)
     if not group.is_leader and group.coordinator_address is not None:
         # JAX aborts the process when its coordinator never answers: find it first, and say so if not
         wait_for_coordinator(group, group.join_timeout)
     try:
         if group.source == "tpu":
-            jax.distributed.initialize(
-                initialization_timeout=timeout, heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S
-            )
+            jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=beat)
         else:
             jax.distributed.initialize(
                 group.coordinator_address,
                 group.num_processes,
                 group.process_id,
                 initialization_timeout=timeout,
-                heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S,
+                heartbeat_timeout_seconds=beat,
             )
     except Exception as e:  # noqa: BLE001 - said in our words, with what JAX said
         role = "the leader" if group.is_leader else f"process {group.process_id}"
@@ -212,84 +201,35 @@ def join(group: ProcessGroup) -> ProcessGroup:
     return group
 
 
+def backoff(first: float = 0.2, most: float = 5.0):
+    """Waits between attempts to reach a peer that is not up yet: doubling from ``first`` to ``most``."""
+    wait = first
+    while True:
+        yield wait
+        wait = min(most, wait * 2)
+
+
 def wait_for_coordinator(group: ProcessGroup, timeout: float) -> None:
-    """Return once the coordinator's port accepts connections; RuntimeError after ``timeout`` seconds."""
+    """Return once the coordinator's port accepts connections (retrying with backoff: the leader's pod may
+    start minutes after this one); RuntimeError after ``timeout`` seconds."""
     import socket
     import time
 
     host, port = split_address(group.coordinator_address)
     deadline = time.monotonic() + timeout
     last: OSError | None = None
-    while True:
+    for wait in backoff():
         try:
             socket.create_connection((host, port), timeout=2).close()
             return
         except OSError as e:
             last = e
-        if time.monotonic() > deadline:
+        if time.monotonic() + wait > deadline:
             raise RuntimeError(
                 f"process {group.process_id} could not join the group of {group.num_processes} processes: "
                 f"no leader (JAX coordinator) at {group.coordinator_address} after {timeout:.0f}s ({last})"
             )
-        time.sleep(0.5)
-
-
-_SERIALIZED = False
-FIRST_RUN_BARRIER_MS = 30 * 60 * 1000  # one host may compile for many minutes longer than another
-
-
-def serialize_cpu_programs() -> None:
-    """XLA:CPU with gloo deadlocks when a process starts a program with cross-process collectives before
-    its previous one finished (measured on jax 0.10: two back-to-back dispatches hang at random). On CPU,
-    and only in a multi-process group, every program therefore runs to its end before its call returns:
-    the jit fast path is turned off and each execution waits for its outputs. TPUs order their programs
-    on the device and never get here."""
-    global _SERIALIZED
-    if _SERIALIZED:
-        return
-    import jax
-    from jax._src import pjit
-    from jax._src.interpreters import pxla
-
-    if not hasattr(pjit, "_get_fastpath_data") or not hasattr(pxla, "ExecuteReplicated"):
-        raise RuntimeError(
-            f"jax {jax.__version__}: cannot serialize CPU programs for a multi-process group; "
-            "run multi-process groups on TPU or with jax 0.10"
-        )
-    from jax._src import distributed as jax_distributed
-
-    pjit._get_fastpath_data = lambda *a, **k: None
-    run = pxla.ExecuteReplicated.__call__
-    seen: dict[int, Any] = {}  # every program this process ran (kept, so their ids stay unique)
-    first_runs: list[Any] = []  # the group-wide ones, in the order of their first run
-
-    def run_to_end(self: Any, *args: Any) -> Any:
-        if id(self) not in seen:
-            seen[id(self)] = self
-            if _spans_processes(self):
-                # A program's first run follows its compile, which takes longer on one host than
-                # another; gloo gives up on peers 30 s late. Every process runs the same group-wide
-                # programs in the same order, so they all meet here once per program.
-                first_runs.append(self)
-                client = jax_distributed.global_state.client
-                if client is not None:
-                    client.wait_at_barrier(f"vsurge-program-{len(first_runs)}", FIRST_RUN_BARRIER_MS)
-        out = run(self, *args)
-        jax.block_until_ready(out)
-        return out
-
-    pxla.ExecuteReplicated.__call__ = run_to_end
-    _SERIALIZED = True
-
-
-def _spans_processes(execute: Any) -> bool:
-    """Whether a program's inputs or outputs live on another process's devices too (a local program,
-    such as a PRNG key made on one device, runs on this process alone)."""
-    shardings = [
-        *getattr(execute.in_handler, "in_shardings", ()),
-        *getattr(execute.out_handler, "out_shardings", ()),
-    ]
-    return any(not getattr(s, "is_fully_addressable", True) for s in shardings)
+        time.sleep(wait)
 
 
 def check_mesh(mesh: Any) -> None:
