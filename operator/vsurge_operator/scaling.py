@@ -63,10 +63,13 @@ class ModelAutoscaler:
         if validation.validate(body, default_image=self.config.model_images()):
             return None  # the reconciler reports invalid specs
         model = specmod.parse(body, default_image=self.config.model_images())
+        generation = (body.get("metadata") or {}).get("generation")
         if not model.autoscaling.enabled:
             self.reset()
+            # no scaling; still read once per spec generation what the pods' engines run (status.engine)
+            if ((body.get("status") or {}).get("engine") or {}).get("generation") != generation:
+                await self._read_engine(body, model, generation)
             return None
-
         pods = await asyncio.to_thread(
             self.api.list, kube.POD, model.namespace, manifests.selector_string(model)
         )
@@ -131,6 +134,33 @@ class ModelAutoscaler:
         await asyncio.to_thread(self._write_status, body, decision, results, policy)
         return decision
 
+    async def _read_engine(self, body: Mapping[str, Any], model: Any, generation: Any) -> None:
+        pods = await asyncio.to_thread(
+            self.api.list, kube.POD, model.namespace, manifests.selector_string(model)
+        )
+        targets = scraper.scrape_targets(
+            pods, manifests.selector_labels(model), leaders_only=model.multi_host
+        )
+        results = await scraper.scrape(
+            targets, [], model=model.served_name, timeout=self.config.scrape_timeout_seconds
+        )
+        engine = scraper.engine_status(results)
+        if engine is not None:
+            await asyncio.to_thread(self._write_engine, body, {**engine, "generation": generation})
+
+    def _write_engine(self, body: Mapping[str, Any], engine: dict[str, Any] | None) -> None:
+        previous = body.get("status") or {}
+        if engine is None or engine == previous.get("engine"):
+            return
+        namespace, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
+        try:
+            self.api.patch(
+                kube.INFERENCE_MODEL, namespace, name, {"status": {"engine": engine}}, subresource="status"
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
     def _write_status(
         self, body: Mapping[str, Any], decision: Decision, results: list[scraper.PodMetrics], policy: Policy
     ) -> None:
@@ -151,6 +181,11 @@ class ModelAutoscaler:
         elif old_block.get("lastScaleTime"):
             block["lastScaleTime"] = old_block["lastScaleTime"]
         new = {
+            "engine": (
+                {**e, "generation": (body.get("metadata") or {}).get("generation")}
+                if (e := scraper.engine_status(results))
+                else previous.get("engine")
+            ),
             "occupancy": _round(scraper.mean_over_ready(results, OCCUPANCY_SERIES)),
             "prefillQueue": _round(scraper.mean_over_ready(results, QUEUE_SERIES)),
             "autoscaler": block,

@@ -78,6 +78,21 @@ def scrape_targets(
     return sorted(out, key=lambda t: t.pod)
 
 
+ENGINE_INFO_SERIES = "vsurge_engine_info"
+
+
+def engine_status(results: Iterable[PodMetrics]) -> dict[str, Any] | None:
+    """status.engine from the first ready pod that reported what its engine runs."""
+    for r in results:
+        if r.ready and r.engine:
+            e = r.engine
+            out: dict[str, Any] = {k: e[k] for k in ("driver", "attention", "backend") if k in e}
+            if str(e.get("decode_steps", "")).isdigit():
+                out["decodeSteps"] = int(e["decode_steps"])
+            return out
+    return None
+
+
 def parse_value(text: str, series: str, model: str | None = None) -> float | None:
     """The value of gauge ``series`` in Prometheus text; prefers the sample labelled with ``model``.
 
@@ -97,6 +112,19 @@ def parse_value(text: str, series: str, model: str | None = None) -> float | Non
     return sum(values) / len(values)
 
 
+def parse_labels(text: str, series: str, model: str | None = None) -> dict[str, str] | None:
+    """The labels of info series ``series`` (a gauge at 1) in Prometheus text, for ``model`` when labelled
+    so; None when absent."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError):
+        return None
+    samples = [s for f in families for s in f.samples if s.name == series and s.value == 1]
+    if model is not None:
+        samples = [s for s in samples if s.labels.get("model") == model] or samples
+    return dict(samples[0].labels) if samples else None
+
+
 @dataclass(frozen=True)
 class PodMetrics:
     """What one pod reported: ``values[series]`` is None when the series was missing or unreachable."""
@@ -104,6 +132,7 @@ class PodMetrics:
     pod: str
     ready: bool
     values: Mapping[str, float | None]
+    engine: Mapping[str, str] | None = None  # the labels of vsurge_engine_info
 
     def sample(self, series: str) -> PodSample:
         return PodSample(self.pod, ready=self.ready, value=self.values.get(series))
@@ -120,7 +149,10 @@ async def _fetch(
     except httpx.HTTPError:
         return PodMetrics(target.pod, ready=True, values={})
     return PodMetrics(
-        target.pod, ready=True, values={s: parse_value(response.text, s, model) for s in series}
+        target.pod,
+        ready=True,
+        values={s: parse_value(response.text, s, model) for s in series},
+        engine=parse_labels(response.text, ENGINE_INFO_SERIES, model),
     )
 
 

@@ -297,6 +297,12 @@ def _shown_default(opt: Option) -> Any:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_arguments(parser, SERVE_OPTIONS, _shown_default)
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the engine configuration this machine would run (each knob, where it came from and why) "
+        "and exit",
+    )
 
 
 def config_from_namespace(ns: argparse.Namespace, env: Mapping[str, str]) -> ServeConfig:
@@ -486,6 +492,10 @@ def _run_serve_ns(ns: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"vsurge serve: {e}", file=sys.stderr)
         return 2
+    if getattr(ns, "print_config", False):
+        from vsurge.print_config import print_config
+
+        return print_config(cfg)
     return run_serve(cfg)
 
 

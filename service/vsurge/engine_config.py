@@ -332,6 +332,17 @@ class EngineConfig:
         "for decode steps of 8 rows or more, float32 activations and accumulation; vdriver)",
         DECODE_DTYPES,
     )
+    decode_steps: int | None = knob(
+        None,
+        "vdriver: decode steps one device program runs (a block): the host plans, dispatches and streams "
+        "once per block of K tokens per sequence instead of once per token; steps that need the host "
+        "between tokens (grammars, n-gram drafts, prompts written in place) stay single",
+        check=at_least(1),
+        serve=True,
+        text=parse_int,
+        metavar="K",
+        shown="4 on TPU, 1 elsewhere",
+    )
     interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
     max_decode_stall: float = knob(
         0.25,
@@ -367,6 +378,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value != "auto" and self.driver != "vdriver":
                 raise ValueError(f"{name}: {value} is vdriver's {what.format(driver=self.driver)}")
+        if self.decode_steps not in (None, 1) and self.driver != "vdriver":
+            raise ValueError(
+                f"decode_steps: blocks of {self.decode_steps} are vdriver's, not {self.driver}'s"
+            )
         mpl, ml = self.max_prefill_length, self.max_length
         if mpl is not None and ml is not None and mpl > ml:
             raise ValueError(f"max_prefill_length {mpl} exceeds max_length {ml}")

@@ -77,6 +77,15 @@ class MetricsBoard:
     occupancy: float = 0.0
     queue: float = 0.0
     silent: set[str] = field(default_factory=set)  # pod names that report nothing
+    # the labels of vsurge_engine_info (what the pod's engine runs), as vsurge serve exports them
+    engine: dict[str, str] = field(
+        default_factory=lambda: {
+            "driver": "vdriver",
+            "attention": "dense (flat rows)",
+            "decode_steps": "4",
+            "backend": "tpu",
+        }
+    )
 
 
 class _MetricsCollector:
@@ -92,8 +101,12 @@ class _MetricsCollector:
             "vsurge_prefill_queue_size", "Requests waiting for prefill", labels=["model"]
         )
         queue.add_metric([self.model], self.board.queue)
+        names = sorted(self.board.engine)
+        info = GaugeMetricFamily("vsurge_engine_info", "What the engine runs", labels=["model", *names])
+        info.add_metric([self.model, *(self.board.engine[n] for n in names)], 1)
         yield occ
         yield queue
+        yield info
 
 
 class PodMetricsServer:

@@ -239,8 +239,16 @@ def test_autoscaler_keeps_history_consistent_when_scaling_fails(cluster, namespa
 def test_autoscaler_ignores_models_without_autoscaling(cluster, namespace, api):
     body = _create(cluster, api, namespace, replicas=3)
     scaler = scaling.ModelAutoscaler(kube.Kube(api.api), OperatorConfig(), Events())
+    assert asyncio.run(scaler.step(body)) is None  # no decision, no scaling
+    assert not cluster.requests(plural="inferencemodels", subresource="scale")
+    # what the engines run is read once per spec generation: with status.engine current, no pod is listed
+    listed = len(cluster.requests(plural="pods"))
+    body = {
+        **body,
+        "status": {"engine": {"driver": "vdriver", "generation": body["metadata"].get("generation")}},
+    }
     assert asyncio.run(scaler.step(body)) is None
-    assert not cluster.requests(plural="pods")
+    assert len(cluster.requests(plural="pods")) == listed
 
 
 def test_a_new_leader_continues_the_autoscalers_decisions_from_the_status(cluster, namespace, api):
@@ -270,3 +278,24 @@ def test_a_new_leader_continues_the_autoscalers_decisions_from_the_status(cluste
             s.close()
     assert (d.current, d.replicas, d.reason) == (4, 1, "ScaleDown")
     assert cluster.obj(IM, namespace, "m")["spec"]["replicas"] == 1
+
+
+def test_status_engine_says_what_the_pods_run(cluster, namespace, api):
+    # a model without autoscaling: its pods' vsurge_engine_info lands in status.engine, with the generation
+    body = _create(cluster, api, namespace, replicas=1)
+    m = spec.parse(body)
+    server = PodMetricsServer(MetricsBoard(), m.served_name, "m-0")
+    try:
+        _add_pod(api, m, "m-0", server.port)
+        scaler = scaling.ModelAutoscaler(kube.Kube(api.api), OperatorConfig(), Events())
+        assert asyncio.run(scaler.step(body)) is None
+        engine = cluster.obj(IM, namespace, "m")["status"]["engine"]
+        assert engine == {
+            "driver": "vdriver",
+            "attention": "dense (flat rows)",
+            "backend": "tpu",
+            "decodeSteps": 4,
+            "generation": body["metadata"].get("generation"),
+        }
+    finally:
+        server.close()

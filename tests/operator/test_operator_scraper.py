@@ -149,3 +149,25 @@ def test_scrape_real_servers():
     assert samples[-1] == PodSample("unready", False, None)
     assert scraper.mean_over_ready(results, "vsurge_slot_occupancy") == 0.6
     assert scraper.mean_over_ready([], "vsurge_slot_occupancy") is None
+
+
+def test_engine_info_labels_become_status_engine():
+    text = (
+        "# TYPE vsurge_engine_info gauge\n"
+        'vsurge_engine_info{model="other",driver="odriver",attention="paged, pure JAX",decode_steps="1",backend="cpu"} 1\n'
+        'vsurge_engine_info{model="m",driver="vdriver",attention="dense (flat rows)",decode_steps="4",backend="tpu"} 1\n'
+    )
+    labels = scraper.parse_labels(text, scraper.ENGINE_INFO_SERIES, "m")
+    assert labels["driver"] == "vdriver" and labels["decode_steps"] == "4"
+    assert scraper.parse_labels("", scraper.ENGINE_INFO_SERIES) is None
+    results = [
+        scraper.PodMetrics("a", ready=False, values={}, engine={"driver": "x"}),  # unready pods do not count
+        scraper.PodMetrics("b", ready=True, values={}, engine=labels),
+    ]
+    assert scraper.engine_status(results) == {
+        "driver": "vdriver",
+        "attention": "dense (flat rows)",
+        "backend": "tpu",
+        "decodeSteps": 4,
+    }
+    assert scraper.engine_status([scraper.PodMetrics("c", ready=True, values={})]) is None

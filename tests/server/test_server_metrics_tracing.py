@@ -56,6 +56,15 @@ def test_metric_names_and_types(http):
         assert fams.get(name) == kind, (name, fams.get(name))
 
 
+def test_engine_info_says_what_the_engine_runs(http):
+    # the operator copies these labels into the InferenceModel's status.engine
+    info = [k for k, v in scrape(http).items() if k[0] == "vsurge_engine_info" and v == 1]
+    assert len(info) == 1
+    labels = dict(info[0][1])
+    assert labels["model"] == MODEL and labels["driver"] in ("vdriver", "odriver")
+    assert labels["backend"] == "cpu" and labels["decode_steps"] == "1" and labels["attention"]
+
+
 def test_metrics_move_under_load_and_return_to_zero(http, client):
     before = scrape(http)
     assert m(before, "vsurge_slots_total") == SLOTS

@@ -37,6 +37,7 @@ ENGINE_FLAGS = {
     "--kv-cache-dtype": "VSURGE_KV_CACHE_DTYPE",
     "--prefill-dtype": "VSURGE_PREFILL_DTYPE",
     "--decode-dtype": "VSURGE_DECODE_DTYPE",
+    "--decode-steps": "VSURGE_DECODE_STEPS",
 }
 
 
@@ -245,6 +246,8 @@ def _containers(obj: Any) -> list[dict[str, Any]]:
 SOURCE_ENV = {
     "VSURGE_CACHE_DIR": "vsurge.models.default_model",
     "VSURGE_CREDENTIALS_DIR": "vsurge.models.sources.gcs",
+    # a multi-host group's step-lane secret: a file, never a flag
+    "VSURGE_LANE_SECRET_FILE": "vsurge.multihost.channel",
 }
 
 

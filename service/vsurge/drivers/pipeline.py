@@ -301,6 +301,7 @@ class Pipeline:
         host = [np.asarray(x) for x in item.result]
         tokens, logprob, top_ids, top_lps = host[:4]
         multi = tokens.ndim == 2  # a VerifyStep: its fifth leaf is the accepted count per row
+        per_token_top = top_ids.ndim == 3  # a decode block: top logprobs for each of a row's tokens
         touched: dict[int, ActiveRequest] = {}
         for row, owner in enumerate(item.owners[: len(tokens)]):
             if owner is None:
@@ -309,7 +310,10 @@ class Pipeline:
                 tok, lp = (
                     (int(tokens[row, t]), logprob[row, t]) if multi else (int(tokens[row]), logprob[row])
                 )
-                if not self._take(lane, owner, tok, lp, top_ids[row], top_lps[row], max_length):
+                tid, tlp = (
+                    (top_ids[row, t], top_lps[row, t]) if per_token_top else (top_ids[row], top_lps[row])
+                )
+                if not self._take(lane, owner, tok, lp, tid, tlp, max_length):
                     break
                 touched[id(owner.req)] = owner.req
                 if owner.req.samples[owner.index].done:

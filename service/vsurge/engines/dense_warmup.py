@@ -72,6 +72,8 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
     ]
     jobs += engine.chunked.jobs()
     jobs.append(("move slots", engine._move, (state, *move_args([], engine.max_concurrent_decodes))))
+    if engine.blocks is not None:
+        jobs += engine.blocks.jobs(state)
     if engine.speculator is not None:
         jobs += engine.speculator.jobs(state)
     if engine.mixed is not None:
@@ -95,6 +97,8 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
         state, out = fn(engine.step_params(r), state, np.ones(r, np.int32))
     state = engine._move(state, *move_args([(0, 0)], engine.max_concurrent_decodes))
     jax.block_until_ready(out)
+    if engine.blocks is not None:
+        state = engine.blocks.warm(state)
     if engine.mixed is not None:
         state = engine.mixed.warm(state)
     if engine.speculator is not None:

@@ -29,6 +29,7 @@ from ..models.sharding import dense_cache_sharding
 from ..sampling_params import SamplingParams
 from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
+from .decode_block import DecodeBlocks
 from .dense_mixed import DenseMixedStep
 from .dense_warmup import compile_engine, warm_structured
 from .engine_base import EngineBase, constrain, sample_first_token, sample_step, start_slot
@@ -184,6 +185,14 @@ def _forward_impl(graphdef, params, state: GenerationState, lengths, *, rows: in
     return state._replace(caches=tuple(tuple(c) for c in caches)), logits
 
 
+def resolve_decode_steps(steps: int | None, backend: str | None = None) -> int:
+    """decode_steps left unset: 4 on TPU (a ~5 ms step is shorter than the host's work per token of 64
+    streams), 1 elsewhere (XLA:CPU steps take 100+ ms: the host keeps up, and tokens stream one by one)."""
+    if steps is not None:
+        return steps
+    return 4 if (backend or jax.default_backend()) == "tpu" else 1
+
+
 class vEngine(EngineBase):  # noqa: N801 - the seed's name
     """Dense-cache engine: prefill, insert into a slot, decode all slots, free a slot."""
 
@@ -245,6 +254,21 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
             )
             for rows in self.decode_rows
         }
+        # K decode steps per program (decode_block.py): the host's work per token shrinks K-fold
+        # (speculation reads every step's tokens on the host: its steps stay single)
+        self.decode_steps = 1 if config.speculative != "none" else resolve_decode_steps(config.decode_steps)
+        self.blocks = (
+            DecodeBlocks(
+                self,
+                self.decode_steps,
+                _decode_impl,
+                logits_sharding=logits_sharding,
+                num_top=num_top_logprobs,
+                shardings=self._state_shardings,
+            )
+            if self.decode_steps > 1
+            else None
+        )
         # structured output's split step: the model, then the sampler with the token mask (per row count)
         self._forward = {
             rows: jax.jit(
@@ -568,6 +592,19 @@ class vEngine(EngineBase):  # noqa: N801 - the seed's name
         rows = self.decode_bucket()
         state, out = self._decode[rows](self._step_params[rows], decode_state, self.read_lengths(rows))
         self._pos[live] += 1
+        return state, out
+
+    def decode_block(self, decode_state: GenerationState) -> tuple[GenerationState, VerifyStep]:
+        """``decode_steps`` tokens for every live slot in one program (decode_block.py): a VerifyStep whose
+        rows hold each slot's K tokens, all accepted."""
+        if self.blocks is None:
+            raise RuntimeError("this engine decodes one step per program (decode_steps=1)")
+        live = np.flatnonzero(self._active)
+        rows = self.decode_bucket()
+        state, out = self.blocks.programs[rows](
+            self._step_params[rows], decode_state, self.read_lengths(rows)
+        )
+        self._pos[live] += self.decode_steps
         return state, out
 
     def verify(

@@ -259,6 +259,14 @@ class ServerMetrics:
             ["model", "route", "status"],
             registry=r,
         )
+        # what each model's engine resolved to run (vsurge/resolved_config.py): the operator copies it into
+        # the InferenceModel's status.engine
+        self.engine_info = Gauge(
+            "vsurge_engine_info",
+            "1, labelled with what the model's engine runs: driver, attention path, decode steps, backend.",
+            ["model", "driver", "attention", "decode_steps", "backend"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "vsurge_http_requests_in_flight", "Generation requests the server is answering now.", registry=r
         )
@@ -270,6 +278,16 @@ class ServerMetrics:
         """Export `surge`'s figures under model=`name` and feed its finished samples to the histograms."""
         with self._lock:
             self._models[name] = surge
+        try:
+            from vsurge.resolved_config import running_info
+
+            info = running_info(surge)
+        except (AttributeError, IndexError):  # a stand-in without a driver's engines (tests)
+            info = None
+        if info is not None:
+            self.engine_info.labels(
+                name, info["driver"], info["attention"], str(info["decode_steps"]), info["backend"]
+            ).set(1)
         add_observer = getattr(surge, "add_observer", None)
         if add_observer is not None:
             add_observer(lambda stats, _name=name: self.observe(_name, stats))
