@@ -50,6 +50,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=128256,
         tie_word_embeddings=False,
     ),
+    "tinyvocab": dict(  # the host's work at a real vocabulary: a model too small to keep a CPU busy
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
     "tiny": dict(
         hidden_size=256,
         intermediate_size=512,

@@ -146,12 +146,12 @@ def raw_loop(model, path: str, batch: int, context: int, max_length: int, steps:
 # ------------------------------------------------------------------------------------------ engines
 
 
-def engine_config(path: str, batch: int, max_length: int):
+def engine_config(path: str, batch: int, max_length: int, decode_steps: int | None = None):
     from vsurge.engine_config import EngineConfig
 
     kw: dict[str, Any] = dict(max_concurrent_decodes=batch, max_length=max_length)
     if path == "vdriver":
-        return EngineConfig(driver="vdriver", **kw)
+        return EngineConfig(driver="vdriver", decode_steps=decode_steps, **kw)
     return EngineConfig(driver="odriver", attention="pallas" if path == "odriver-pallas" else "jax", **kw)
 
 
@@ -231,7 +231,7 @@ def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float) -> di
     from vsurge import vSurge
 
     out: dict[str, Any] = dict(path=path)
-    cfg = engine_config(path, args.batch, args.max_length)
+    cfg = engine_config(path, args.batch, args.max_length, args.decode_steps)
     t0 = time.perf_counter()
     surge = vSurge.create(model, tok, cfg)
     out["build_s"] = time.perf_counter() - t0
@@ -260,7 +260,9 @@ def warm_start(args) -> None:
     import jax
 
     import vsurge
+    from vsurge.compilation_cache import enable_compilation_cache
 
+    enable_compilation_cache()  # as vsurge serve does: VSURGE_CACHE_DIR/jax
     t_init = time.perf_counter()
     jax.devices()
     OUT["backend_init_s"] = time.perf_counter() - t_init
@@ -292,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--fixed-out", type=int, default=256)
     p.add_argument("--mixed-max-prompt", type=int, default=512)
     p.add_argument("--peak-flops", type=float, default=165e12)
+    p.add_argument(
+        "--decode-steps", type=int, default=None, help="vdriver's decode block (default: the backend's)"
+    )
     p.add_argument("--deadline-s", type=float, default=300)
     p.add_argument("--warm-start", action="store_true")
     p.add_argument("--out")
@@ -305,7 +310,9 @@ def main(argv=None) -> int:
         import jax
 
         import vsurge
+        from vsurge.compilation_cache import enable_compilation_cache
 
+        enable_compilation_cache()  # as vsurge serve does: VSURGE_CACHE_DIR/jax (cold here, warm at --warm-start)
         t0 = time.perf_counter()
         dev = jax.devices()[0]
         OUT.update(device=dev.device_kind, backend_init_s=time.perf_counter() - t0)

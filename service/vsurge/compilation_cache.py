@@ -14,4 +14,6 @@ def enable_compilation_cache() -> None:
     from vsurge.models.default_model import cache_dir
 
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    # every program: a second start is only as fast as the slowest program it must still compile, and
+    # the many sub-second ones add up (a TPU start compiles ~20 programs)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

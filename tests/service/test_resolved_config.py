@@ -65,3 +65,11 @@ def test_print_config_prints_the_resolved_knobs_and_exits(tmp_path, capsys):
     line = next(x for x in out.splitlines() if x.startswith("decode_steps"))
     assert " 2 " in line and "[set]" in line
     assert "attention path" in out
+
+
+def test_tpu_compiles_fewer_shapes():
+    from vsurge.engines.engine_base import default_prefill_lengths, row_buckets
+
+    assert default_prefill_lengths(1024, "tpu") == [128, 256, 512, 1024]
+    assert default_prefill_lengths(1024, "cpu") == [32, 64, 128, 256, 512, 1024]
+    assert row_buckets(256, 1, "tpu") == [8, 32, 128, 256] and row_buckets(4, 1, "tpu") == [4]

@@ -66,9 +66,12 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
         )
         for r, prompts in warm_rows.items()
     ]
+    # with decode blocks the driver never runs a single decode step (blocks, or the structured split
+    # step): those programs are compiled only if called directly
+    single = {} if engine.blocks is not None else engine._decode
     jobs += [
         (f"decode slots={r}", fn, (engine.step_params(r), state, np.ones(r, np.int32)))
-        for r, fn in engine._decode.items()
+        for r, fn in single.items()
     ]
     jobs += engine.chunked.jobs()
     jobs.append(("move slots", engine._move, (state, *move_args([], engine.max_concurrent_decodes))))
@@ -93,10 +96,11 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
     state, first = engine.insert(
         engine.prefill_chunked([1] * engine.max_prompt_length, greedy[0])[0], state, 0
     )
-    for r, fn in engine._decode.items():
+    out = None
+    for r, fn in single.items():
         state, out = fn(engine.step_params(r), state, np.ones(r, np.int32))
     state = engine._move(state, *move_args([(0, 0)], engine.max_concurrent_decodes))
-    jax.block_until_ready(out)
+    jax.block_until_ready((state, out))
     if engine.blocks is not None:
         state = engine.blocks.warm(state)
     if engine.mixed is not None:
