@@ -131,11 +131,23 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default="/tmp/vsurge-tpu-cache")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--warm-start", default="1b64", help="shape whose second start is measured ('' skips)")
+    p.add_argument(
+        "--correctness", default="tiny", help="checkpoint shape for the correctness run ('' skips)"
+    )
     args = p.parse_args(argv)
     t_end = time.perf_counter() + args.budget_s
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = dict(shapes={}, batch=args.batch, started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    if args.correctness:  # first: it is short, and a wrong answer makes every speed moot
+        ckpt = str(Path(args.ckpt_dir) / args.correctness)
+        write_checkpoint(args.correctness, ckpt)
+        res = worker(
+            args, args.correctness, PLAN[args.correctness], ckpt, min(150.0, args.budget_s / 3),
+            out_dir / "correctness.json", extra=("--correctness",),
+        )  # fmt: skip
+        results["correctness"] = res.get("correctness", res.get("status"))
+        (out_dir / "tpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
     shapes = [s for s in args.shapes.split(",") if s]
     for i, shape in enumerate(shapes):
         plan = PLAN[shape]
@@ -162,6 +174,15 @@ def main(argv=None) -> int:
         )  # fmt: skip
         results["warm_start"] = dict(res, shape=shape)
     report = table(results)
+    checks = results.get("correctness")
+    if isinstance(checks, list):
+        report += (
+            "\n\n| weights | path | greedy tokens = CPU reference (highest precision) |\n|---|---|---|\n"
+        )
+        report += "\n".join(
+            f"| {c['weights']} | {c['path']} | {'yes' if c['ok'] else 'NO ' + str(c.get('error') or c.get('got'))} |"
+            for c in checks
+        )
     print(report, flush=True)
     (out_dir / "tpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
     (out_dir / "tpu_bench.md").write_text(report + "\n")

@@ -282,6 +282,63 @@ def warm_start(args) -> None:
     surge.stop()
 
 
+def correctness(args) -> None:
+    """Greedy tokens of a tiny model on the device, through each engine path (vdriver's dense rows,
+    odriver's paged pure JAX and Pallas kernel; f32 and int8 weights), against the CPU reference of the
+    very same weights (moved back to the host), all under jax.default_matmul_precision('highest')."""
+    import jax
+    from flax import nnx
+
+    import vsurge
+    from vsurge.models import greedy_generate
+
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(3)
+    prompts = [list(map(int, rng.integers(2, 2000, n))) for n in (5, 17, 40)]
+    new = 12
+    rows = []
+    with jax.default_matmul_precision("highest"):
+        for quant in ("none", "int8"):
+            model, tok = vsurge.load_model(args.ckpt, dtype="float32", quantization=quant)
+            graphdef, state = nnx.split(model)
+            ref_model = nnx.merge(graphdef, jax.device_put(state, cpu))
+            with jax.default_device(cpu):
+                want = [greedy_generate(ref_model, [p], new)[0] for p in prompts]
+            for path in ("vdriver", "odriver-jax", "odriver-pallas"):
+                if quant == "int8" and path == "odriver-jax":
+                    continue
+                row = dict(weights="f32" if quant == "none" else "int8", path=path)
+                try:
+                    surge = vsurge.vSurge.create(model, tok, engine_config(path, 4, 128))
+                    surge.compile()
+                    surge.start()
+                    try:
+                        got = []
+                        for p in prompts:
+                            ids = []
+
+                            async def one(p=p, ids=ids, surge=surge):
+                                req = vsurge.vSurgeRequest(
+                                    prompt=p, max_tokens=new, temperature=0.0, ignore_eos=True,
+                                    is_client_side_tokenization=True,
+                                )  # fmt: skip
+                                async for items in surge.complete(req):
+                                    for s in items:
+                                        ids.extend(s.token_ids)
+
+                            asyncio.run(one())
+                            got.append(ids)
+                    finally:
+                        surge.stop()
+                    row.update(ok=got == want, got=got[:1], want=want[:1])
+                except Exception as e:  # noqa: BLE001 - each path stands alone
+                    row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                rows.append(row)
+                print(f"correctness {row}", flush=True)
+                OUT["correctness"] = rows
+                save(args.out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True)
@@ -299,6 +356,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--deadline-s", type=float, default=300)
     p.add_argument("--warm-start", action="store_true")
+    p.add_argument(
+        "--correctness", action="store_true", help="tiny model: device tokens against the CPU reference"
+    )
     p.add_argument("--out")
     args = p.parse_args(argv)
     deadline = T_PROCESS + args.deadline_s
@@ -306,6 +366,9 @@ def main(argv=None) -> int:
     try:
         if args.warm_start:
             warm_start(args)
+            return 0
+        if args.correctness:
+            correctness(args)
             return 0
         import jax
 
