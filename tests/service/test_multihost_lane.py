@@ -253,6 +253,28 @@ def test_mixed_steps_verify_steps_and_masked_steps_replay_exactly(tiny):
     pair.lane.close()
 
 
+def test_decode_blocks_cross_the_lane_and_replay_exactly(tiny):
+    """decode_block (K decode steps in one program) is a lane method: the worker's state after a block is
+    the leader's, and its tokens are the single steps' (the reference)."""
+    model, tok, reference = tiny
+    pair = Pair(model, tok)
+    pair.start_worker()
+    proxy = pair.engine(decode_steps=MAX_TOKENS - 1)
+    assert proxy.decode_steps == MAX_TOKENS - 1  # a plain setting, read on the leader
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    state = proxy.init_decode_state()
+    rows = [[] for _ in PROMPTS]
+    for slot, prompt in enumerate(PROMPTS):
+        state, first = proxy.insert(proxy.prefill(prompt, greedy), state, slot, length=len(prompt))
+        rows[slot].append(int(np.asarray(first.tokens)[0]))
+    state, block = proxy.decode_block(state)
+    _same_on_the_worker(pair, (state, block))
+    for slot in range(len(PROMPTS)):
+        rows[slot] += [int(t) for t in np.asarray(block.tokens)[slot]]
+    assert rows == reference and not pair.exits
+    pair.lane.close()
+
+
 def test_unseeded_sampling_draws_the_same_on_leader_and_worker(tiny):
     """An unseeded sampled prompt inserted without an explicit key: the engines on both ends sample the
     same tokens (no engine draws a key from its own process's entropy); the request's own key, passed

@@ -145,7 +145,7 @@ class DenseSlots:
             self._dispatched(1)
             return self.inplace.seat(state, self._loop, *seats), out, owners
         if self.drafts is None:
-            if self.engine.blocks is not None and not self.grammars:  # K steps in one program
+            if self.engine.decode_steps > 1 and not self.grammars:  # K steps in one program
                 state, out = self.engine.decode_block(state)
                 self._dispatched(self.engine.decode_steps)
                 return state, out, owners

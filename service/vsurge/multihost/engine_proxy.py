@@ -30,6 +30,7 @@ LANE_METHODS = frozenset(
         "sample_first",
         "sample_firsts",
         "decode",
+        "decode_block",
         "verify",
         "decode_logits",
         "decode_sample",
