@@ -95,8 +95,7 @@ class InfoRoutes:
     async def metrics_route(self, request: Request) -> Response:
         """GET /metrics on the main port (when the metrics port is -1)."""
         if not self.metrics_on_main_port:
-            return _error_response(
-                APIError(404, "Metrics are served on the metrics port.", code="unknown_route")
-            )
+            where = "served on the metrics port" if getattr(self, "metrics_enabled", True) else "disabled"
+            return _error_response(APIError(404, f"Metrics are {where}.", code="unknown_route"))
         data = await asyncio.to_thread(self.metrics.render)
         return Response(data, media_type=CONTENT_TYPE)
