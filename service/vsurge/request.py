@@ -42,6 +42,11 @@ class vSurgeMetadata:  # noqa: N801 - the seed's name
     finished_at: float | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def start_time(self) -> float:
+        """The seed's name for ``created`` (epoch seconds)."""
+        return self.created
+
 
 # The seed's vSurgeRequest samples at temperature 0.7 unless told otherwise; SamplingParams (and so the HTTP
 # API) keeps OpenAI's 1.0. Only these differ.

@@ -103,9 +103,11 @@ def _dispatch(name: str, own: Callable, seed: Callable, test: FormTest) -> Calla
         return own(self, *args, **kw)
 
     method.__signature__ = inspect.signature(seed)  # type: ignore[attr-defined]
+    own_sig = inspect.signature(own)
+    own_sig = own_sig.replace(parameters=list(own_sig.parameters.values())[1:])  # without self
     method.__doc__ = (
         f"{inspect.getdoc(seed)}\n\nThe engine's own form (what the drivers call): "
-        f"{name}{inspect.signature(own)}\n{inspect.getdoc(own) or ''}"
+        f"{name}{own_sig}\n{inspect.getdoc(own) or ''}"
     )
     method.engine_method = own  # type: ignore[attr-defined]
     return method
