@@ -230,10 +230,12 @@ def _compatible(seed: list[Param], ours: inspect.Signature) -> str | None:
 
 
 def _unbound_signature(cls: type, name: str) -> inspect.Signature:
+    # follow_wrapped=False: a decorator's own signature is what a caller meets (a declared __signature__,
+    # seed_forms', still counts)
     raw = inspect.getattr_static(cls, name)
     if isinstance(raw, (classmethod, staticmethod)):
-        return inspect.signature(getattr(cls, name))
-    sig = inspect.signature(raw)
+        return inspect.signature(getattr(cls, name), follow_wrapped=False)
+    sig = inspect.signature(raw, follow_wrapped=False)
     params = list(sig.parameters.values())[1:]  # self
     return sig.replace(parameters=params)
 
