@@ -13,7 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["default", "given", "is_default", "seed_engine_config"]
+__all__ = ["ENGINE_ARGS", "default", "given", "is_default", "seed_engine_config"]
+
+# The engine options among the seed's engine constructor arguments (vEngine, oEngine).
+ENGINE_ARGS = (
+    "max_concurrent_decodes",
+    "max_concurrent_prefill",
+    "prefill_lengths",
+    "max_prefill_length",
+    "max_length",
+    "batch_size",
+    "seed",
+)
 
 
 class _DefaultInt(int):

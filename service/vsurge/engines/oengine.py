@@ -39,7 +39,7 @@ from ..engine_config import DEFAULT_SEED, EngineConfig
 from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
 from ..models.pallas_sharded import configure as configure_attention
 from ..sampling_params import SamplingParams
-from ..seed_args import default, seed_engine_config
+from ..seed_args import ENGINE_ARGS, default, seed_engine_config
 from .engine_base import EngineBase, _doubling, compile_jobs, constrain, decode_buckets, sampling_context
 from .host_arrays import put_host
 from .kernel_fallback import compile_with_fallback
@@ -186,15 +186,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         """The seed's arguments in the seed's order over ``config`` (an EngineConfig), then the keyword
         options, as vEngine's; ``storage`` / ``manager``: a cache and page manager to use instead of new
         ones (None: made here)."""
-        seed_values = dict(
-            max_concurrent_decodes=max_concurrent_decodes,
-            max_concurrent_prefill=max_concurrent_prefill,
-            prefill_lengths=prefill_lengths,
-            max_prefill_length=max_prefill_length,
-            max_length=max_length,
-            batch_size=batch_size,
-            seed=seed,
-        )
+        seed_values = {k: v for k, v in locals().items() if k in ENGINE_ARGS}  # the seed's, as passed
         config = seed_engine_config(config, "odriver", seed_values, kw, third=storage)
         storage = None if isinstance(storage, EngineConfig) else storage
         cfg = model.config

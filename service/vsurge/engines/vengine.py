@@ -27,7 +27,7 @@ from ..engine_config import DEFAULT_SEED, EngineConfig
 from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, kv_store, to_flat
 from ..models.sharding import dense_cache_sharding
 from ..sampling_params import SamplingParams
-from ..seed_args import default, seed_engine_config
+from ..seed_args import ENGINE_ARGS, default, seed_engine_config
 from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
 from .dense_mixed import DenseMixedStep
@@ -209,15 +209,7 @@ class vEngine(DenseSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         """The seed's arguments, in the seed's order, over ``config`` (an EngineConfig; default: every
         default), then the keyword options applied (``vEngine(model, tok, 4, max_length=300)``); an
         argument left at its default keeps the config's value (seed_args.py)."""
-        seed_values = dict(
-            max_concurrent_decodes=max_concurrent_decodes,
-            max_concurrent_prefill=max_concurrent_prefill,
-            prefill_lengths=prefill_lengths,
-            max_prefill_length=max_prefill_length,
-            max_length=max_length,
-            batch_size=batch_size,
-            seed=seed,
-        )
+        seed_values = {k: v for k, v in locals().items() if k in ENGINE_ARGS}  # the seed's, as passed
         config = seed_engine_config(config, "vdriver", seed_values, kw, third=max_concurrent_decodes)
         # smallest_rows=1: one live row: XLA:CPU's matrix-vector path is ~25% faster than 4 rows
         self._setup(model, processor, config, smallest_rows=1)
