@@ -45,6 +45,8 @@ def merge_steps(
     """One ReturnSample per sample (by ``index``, in order of first appearance) from the buffered steps
     followed by ``response``: text, token ids and logprobs concatenated; the totals, the finish reason and
     the error from the sample's latest step; the prompt's details from the step that carried them."""
+    if not buffered:
+        return list(response)  # nothing held back: the step as it is (the common case, once per step)
     merged: dict[int, ReturnSample] = {}
     for step in [*buffered, response]:
         for s in step:
