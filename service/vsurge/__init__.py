@@ -1,4 +1,8 @@
-"""vSurge: a JAX inference engine for the Llama family with an OpenAI-compatible server."""
+"""vSurge: a JAX inference engine for the Llama family with an OpenAI-compatible server.
+
+Every name of the seed's API imports from here (`from vsurge import vSurge, oEngine, vSurgeApiServer`),
+loaded on first use.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,33 @@ __version__ = "0.1.0"
 _LAZY = {
     "load_model": "vsurge.models.loader",
     "vSurge": "vsurge.surge",
-    "vSurgeRequest": "vsurge.surge",
+    "vSurgeRequest": "vsurge.request",
+    "vSurgeMetadata": "vsurge.request",
+    "ReturnSample": "vsurge.request",
     "SamplingParams": "vsurge.sampling_params",
     "EngineConfig": "vsurge.engine_config",
+    "ActiveRequest": "vsurge.drivers.active_request",
+    "vDriver": "vsurge.drivers.vdriver",
+    "oDriver": "vsurge.drivers.odriver",
+    "vEngine": "vsurge.engines.vengine",
+    "oEngine": "vsurge.engines.oengine",
+    "GenerationState": "vsurge.engines.vengine",
+    "HBMPageManager": "vsurge.engines.paging",
+    "PagedAttentionCache": "vsurge.engines.paging",
+    "ResultTokens": "vsurge.engines.seed_types",
+    "SlotData": "vsurge.engines.seed_types",
+    "NextIterationPlan": "vsurge.engines.seed_types",
+    "ModelOutputBatch": "vsurge.engines.seed_types",
+    "ActiveSequenceBatch": "vsurge.engines.seed_paged",
+    "AbstractDriver": "vsurge.protocols",
+    "AbstractInferenceEngine": "vsurge.protocols",
+    "vSurgeApiServer": "vsurge.server.app",
+    "ChatCompletionRequest": "vsurge.server.schemas",
+    "CompletionRequest": "vsurge.server.schemas",
+    "CountTokenRequest": "vsurge.server.schemas",
 }
+
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,3 +49,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'vsurge' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

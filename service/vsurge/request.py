@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .sampling_params import SamplingParams
+from .seed_args import default, given
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -41,64 +42,74 @@ class vSurgeMetadata:  # noqa: N801 - the seed's name
     finished_at: float | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def start_time(self) -> float:
+        """The seed's name for ``created`` (epoch seconds)."""
+        return self.created
+
 
 # The seed's vSurgeRequest samples at temperature 0.7 unless told otherwise; SamplingParams (and so the HTTP
 # API) keeps OpenAI's 1.0. Only these differ.
 SEED_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.7}
-# The seed's positional order after `prompt`.
-_SEED_POSITIONAL = (
-    "max_tokens",
-    "top_p",
-    "top_k",
-    "min_p",
-    "temperature",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class vSurgeRequest:  # noqa: N801 - the seed's name
     """A completion request: the prompt, how to sample it (`sampling`, a SamplingParams) and metadata.
 
-    The seed's constructor keeps working — `vSurgeRequest(prompt, max_tokens, top_p, top_k, min_p,
-    temperature, ..., metadata=, is_client_side_tokenization=)` — and so does every SamplingParams field as
-    a keyword (`seed=`, `n=`, `stop=`, `logit_bias=` ...); they build `sampling`, with the seed's own
-    defaults (`SEED_SAMPLING_DEFAULTS`) where none is given. Sampling fields read through as attributes
-    (`request.temperature`). `prompt` is text, or token ids when is_client_side_tokenization is set.
+    The seed's constructor: `vSurgeRequest(prompt, max_tokens, top_p, top_k, min_p, temperature,
+    presence_penalty, frequency_penalty, repetition_penalty, metadata, is_client_side_tokenization)`, with
+    the seed's defaults (`SEED_SAMPLING_DEFAULTS` where they differ from SamplingParams'); every other
+    SamplingParams field is a keyword too (`seed=`, `n=`, `stop=`, `logit_bias=` ...). They build
+    `sampling`; given ``sampling=``, only the arguments passed override it. Sampling fields read and write
+    through as attributes: `request.temperature = 0.2` before `complete()` is what the driver samples with
+    (the request is a record the driver reads at submission, as the seed's is).
+
+    `prompt` is text (tokenized by the server) or token ids. `is_client_side_tokenization` is the seed's
+    response mode: True, the client detokenizes (responses carry the step's token ids, unbuffered, and no
+    text); False, the server does (text, with a step that ends inside a multi-byte character held back
+    until it completes). ``detokenize`` overrides whether text is produced.
     """
 
     def __init__(
         self,
         prompt: str | list[int],
-        *args: Any,
+        max_tokens: int | None = None,
+        top_p: float = default(1.0),
+        top_k: int = default(0),
+        min_p: float = default(0.0),
+        temperature: float = default(SEED_SAMPLING_DEFAULTS["temperature"]),
+        presence_penalty: float = default(0.0),
+        frequency_penalty: float = default(0.0),
+        repetition_penalty: float = default(1.0),
         metadata: vSurgeMetadata | None = None,
         is_client_side_tokenization: bool = False,
+        *,
         sampling: SamplingParams | None = None,
         detokenize: bool | None = None,
         strict_max_tokens: bool = False,
         **sampling_kw: Any,
     ) -> None:
-        if len(args) > len(_SEED_POSITIONAL) + 2:
-            raise TypeError(f"vSurgeRequest takes at most {len(_SEED_POSITIONAL) + 3} positional arguments")
-        given = dict(zip(_SEED_POSITIONAL, args, strict=False))
-        rest = args[len(_SEED_POSITIONAL) :]
-        if rest:
-            metadata = rest[0]
-        if len(rest) > 1:
-            is_client_side_tokenization = rest[1]
         unknown = set(sampling_kw) - _SAMPLING_FIELDS
         if unknown:
             raise TypeError(f"vSurgeRequest got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-        clash = set(given) & set(sampling_kw)
-        if clash:
-            raise TypeError(f"vSurgeRequest got multiple values for {', '.join(sorted(clash))}")
-        given.update(sampling_kw)
+        seed_args = given(
+            dict(
+                max_tokens=max_tokens,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                temperature=temperature,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
+            )
+        )
+        changes = {**seed_args, **sampling_kw}
         if sampling is None:
-            sampling = SamplingParams(**{**SEED_SAMPLING_DEFAULTS, **given})
-        elif given:
-            sampling = dataclasses.replace(sampling, **given)
+            sampling = SamplingParams(**{**SEED_SAMPLING_DEFAULTS, **changes})
+        elif changes:
+            sampling = dataclasses.replace(sampling, **changes)
         self.prompt = prompt
         self.sampling = sampling
         self.metadata = metadata
@@ -112,6 +123,14 @@ class vSurgeRequest:  # noqa: N801 - the seed's name
         if name in _SAMPLING_FIELDS:
             return getattr(self.__dict__["sampling"], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SAMPLING_FIELDS:
+            # a new SamplingParams, so one shared with other requests (from_sampling_params) is not changed
+            value, name = dataclasses.replace(self.__dict__["sampling"], **{name: value}), "sampling"
+        elif name == "sampling" and not isinstance(value, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(value).__name__}")
+        object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         return f"vSurgeRequest(prompt={self.prompt!r:.60}, sampling={self.sampling!r})"

@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from .drivers.active_request import ActiveRequest, ReturnChannel
+from .drivers.detokenize import make_decode_fn
 from .drivers.metrics import DriverMetrics, RequestStats
 from .drivers.vdriver import vDriver
-from .engine_config import EngineConfig
+from .engine_config import DEFAULT_SEED, EngineConfig
 from .engines.vengine import vEngine
 from .request import (
     PromptTooLongError,
@@ -22,7 +23,9 @@ from .request import (
     vSurgeMetadata,
     vSurgeRequest,
 )
+from .responses import ends_inside_character, merge_steps
 from .sampling_params import SamplingParams
+from .seed_args import default, seed_engine_config
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class vSurge:  # noqa: N801 - the seed's name
         self._driver = driver
         self._name = vsurge_name or driver.driver_name
         self.compile_seconds: float | None = None
+        self._decode_fn: Callable[[list[int]], str] | None = None  # should_buffer_response's, made once
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -68,27 +72,40 @@ class vSurge:  # noqa: N801 - the seed's name
         """The driver ``config.driver`` names (vdriver or odriver), built from ``config`` and ``kw``."""
         config = EngineConfig.build(config, **kw)
         create = cls.create_odriver if config.driver == "odriver" else cls.create_vdriver
-        return create(model, processor, config, vsurge_name=vsurge_name)
+        return create(model, processor, config=config, vsurge_name=vsurge_name)
 
     @classmethod
     def create_vdriver(
         cls,
         model: Any,
         processor: Any,
-        config: EngineConfig | None = None,
-        *,
+        max_concurrent_decodes: int | None = None,
+        prefill_lengths: Sequence[int] | int | None = None,
+        max_prefill_length: int | None = None,
+        max_length: int | None = None,
+        seed: int = default(DEFAULT_SEED),
         vsurge_name: str | None = None,
+        *,
+        config: EngineConfig | None = None,
         **kw: Any,
     ) -> vSurge:
         """One vEngine doing both prefill and decode, driven by a vDriver.
 
-        ``config`` (an EngineConfig; default: every default) with the keyword arguments applied, e.g.
-        ``create_vdriver(model, tok, max_concurrent_decodes=32, max_length=1024)``. The knobs, their defaults
-        and their checks are EngineConfig's (``max_concurrent_prefill``: how many waiting prompts one
-        prefill call packs together, default 16)."""
-        config = EngineConfig.build(config, **kw).replace(driver="vdriver")
+        The seed's arguments in the seed's order, over ``config`` (an EngineConfig; default: every
+        default), then any other EngineConfig knob by keyword, e.g. ``create_vdriver(model, tok, 32,
+        max_length=1024)``; an argument left at its default keeps the config's value. The knobs, their
+        defaults and their checks are EngineConfig's (``max_concurrent_prefill``: how many waiting prompts
+        one prefill call packs together)."""
+        seed_values = dict(
+            max_concurrent_decodes=max_concurrent_decodes,
+            prefill_lengths=prefill_lengths,
+            max_prefill_length=max_prefill_length,
+            max_length=max_length,
+            seed=seed,
+        )
+        config = seed_engine_config(config, "vdriver", seed_values, kw, third=max_concurrent_decodes)
         config = config.replace(mesh=_as_mesh(config.mesh))
-        engine = vEngine(model, processor, config)
+        engine = vEngine(model, processor, config=config)
         driver = vDriver(
             engine,
             engine,
@@ -104,14 +121,23 @@ class vSurge:  # noqa: N801 - the seed's name
         cls,
         model: Any,
         processor: Any,
-        config: EngineConfig | None = None,
-        *,
         storage: Any = None,
         manager: Any = None,
+        page_size: int = default(128),
+        hbm_utilization: float = default(0.6),
+        max_concurrent_prefill: int | None = None,
+        max_concurrent_decodes: int | None = None,
+        prefill_lengths: Sequence[int] | int | None = None,
+        max_prefill_length: int | None = None,
+        max_length: int | None = None,
+        seed: int = default(DEFAULT_SEED),
         vsurge_name: str | None = None,
+        *,
+        config: EngineConfig | None = None,
         **kw: Any,
     ) -> vSurge:
-        """One paged oEngine driven by an oDriver; ``config`` and keywords as in create_vdriver.
+        """One paged oEngine driven by an oDriver; the seed's arguments in its order, ``config`` and
+        keywords as in create_vdriver.
 
         The KV pages take ``hbm_utilization`` of the free device memory JAX reports, or ``kv_cache_bytes``
         (required to size it exactly; on CPU, where JAX reports none, a small default applies). Prompts
@@ -121,9 +147,20 @@ class vSurge:  # noqa: N801 - the seed's name
         from .drivers.odriver import oDriver
         from .engines.oengine import oEngine
 
-        config = EngineConfig.build(config, **kw).replace(driver="odriver")
+        seed_values = dict(
+            page_size=page_size,
+            hbm_utilization=hbm_utilization,
+            max_concurrent_prefill=max_concurrent_prefill,
+            max_concurrent_decodes=max_concurrent_decodes,
+            prefill_lengths=prefill_lengths,
+            max_prefill_length=max_prefill_length,
+            max_length=max_length,
+            seed=seed,
+        )
+        config = seed_engine_config(config, "odriver", seed_values, kw, third=storage)
         config = config.replace(mesh=_as_mesh(config.mesh))
-        engine = oEngine(model, processor, config, storage=storage, manager=manager)
+        storage = None if isinstance(storage, EngineConfig) else storage
+        engine = oEngine(model, processor, storage, manager, config=config)
         driver = oDriver(
             engine, detokenizing_blocks=config.detokenizing_blocks, max_queue_size=config.max_queue_size
         )
@@ -210,7 +247,7 @@ class vSurge:  # noqa: N801 - the seed's name
     def tokenize(self, text: str) -> list[int]:
         tok = self.processor
         if tok is None:
-            raise ValueError("this model has no tokenizer: send token ids (is_client_side_tokenization)")
+            raise ValueError("this model has no tokenizer: send the prompt as token ids")
         bos = getattr(tok, "bos_token", None)
         # a chat template already wrote BOS into the text; do not add a second one
         add_special = not (bos and text.startswith(bos))
@@ -238,7 +275,9 @@ class vSurge:  # noqa: N801 - the seed's name
     def _make_active(self, request: vSurgeRequest, loop: asyncio.AbstractEventLoop | None) -> ActiveRequest:
         params = request.sampling_params()
         params.validate()
-        if request.is_client_side_tokenization:
+        if isinstance(request.prompt, str):
+            ids = self.tokenize(request.prompt)
+        elif isinstance(request.prompt, Sequence) or hasattr(request.prompt, "__array__"):
             ids = list(request.prompt)
             vocab = self._engine.config.vocab_size
             if not all(
@@ -246,10 +285,8 @@ class vSurge:  # noqa: N801 - the seed's name
             ):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
             ids = [int(t) for t in ids]
-        elif isinstance(request.prompt, str):
-            ids = self.tokenize(request.prompt)
         else:
-            raise ValueError("prompt must be a string (or token ids with is_client_side_tokenization)")
+            raise ValueError("prompt must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) > self.max_prompt_length:
@@ -280,6 +317,11 @@ class vSurge:  # noqa: N801 - the seed's name
     async def complete(self, request: vSurgeRequest) -> AsyncIterator[list[ReturnSample]]:
         """Stream one request: each item holds the new text/tokens of the samples that advanced.
 
+        As the seed's: with ``request.is_client_side_tokenization`` the steps pass through unchanged
+        (`process_client_side_tokenization_response`); otherwise a step that ends inside a multi-byte
+        character is buffered (`should_buffer_response`) and merged with the steps after it
+        (`process_server_side_tokenization_response`), so each item's token ids produce its text.
+
         Raises before anything is queued on invalid parameters (ValueError) or a prompt that does not fit
         (PromptTooLongError); QueueFullError when the queue is full; RequestFailedError if the request
         fails inside the engine. Closing the generator cancels the request and frees its slots.
@@ -290,13 +332,46 @@ class vSurge:  # noqa: N801 - the seed's name
             active = await asyncio.to_thread(self._make_active, request, loop)
         else:
             active = self._make_active(request, loop)
+        client_side = request.is_client_side_tokenization
         self._driver.submit_request(active)
+        buffered: list[list[ReturnSample]] = []
         try:
-            async for item in active.channel:
-                yield item
+            async for step in active.channel:
+                if client_side:
+                    yield self.process_client_side_tokenization_response(step)
+                elif self.should_buffer_response(step):
+                    buffered.append(step)
+                else:
+                    yield self.process_server_side_tokenization_response(step, buffered)
+                    buffered = []
+            if buffered:  # the stream ended (cancelled, failed) inside a character: what there is
+                yield self.process_server_side_tokenization_response([], buffered)
         finally:
             if not active.done:
                 active.cancel()
+
+    # ------------------------------------------------------------------ the seed's response helpers
+    def process_client_side_tokenization_response(self, response: list[ReturnSample]) -> list[ReturnSample]:
+        """A step of a client-side-tokenization request, as it is (a new list of the same samples)."""
+        return list(response)
+
+    def should_buffer_response(self, response: list[ReturnSample]) -> bool:
+        """True if a running sample of this step ends inside a multi-byte character (a ``<0xAB>`` byte
+        token, or token ids whose text ends in U+FFFD): its text comes with a later step."""
+        tok = self.processor
+        if tok is None:
+            return False
+        if self._decode_fn is None:
+            self._decode_fn = make_decode_fn(tok, skip_special_tokens=False)
+        convert = getattr(tok, "convert_ids_to_tokens", None)
+        return ends_inside_character(response, self._decode_fn, convert)
+
+    def process_server_side_tokenization_response(
+        self, response: list[ReturnSample], buffered_response_list: list[list[ReturnSample]]
+    ) -> list[ReturnSample]:
+        """The buffered steps and this one as one ReturnSample per sample: text, token ids and logprobs
+        joined, the totals (tokens per second, generated tokens) and the finish reason of the latest."""
+        return merge_steps(response, buffered_response_list)
 
     def submit(self, request: vSurgeRequest) -> ActiveRequest:
         """Blocking-world entry point (benchmarks, threads): iterate `.channel` for results."""
@@ -310,13 +385,15 @@ class vSurge:  # noqa: N801 - the seed's name
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         stream: bool = False,
     ):
-        """Run several prompts concurrently.
+        """Run several prompts concurrently (a prompt: text, or a list of token ids).
 
-        stream=False: one aggregated ReturnSample per prompt (a list of n when that prompt's n > 1); a
-        single prompt string gives its result alone, not in a list.
+        stream=False: a list of aggregated ReturnSample, one per prompt in order (a single prompt too);
+        a prompt with n > 1 gives its n samples in a row, ``index`` 0..n-1.
         stream=True: an async generator of list[ReturnSample] items from any request as they arrive.
         """
-        single = isinstance(prompts, str)
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], numbers.Integral)
+        )
         prompts = [prompts] if single else list(prompts)
         if sampling_params is None:
             params = [SamplingParams() for _ in prompts]
@@ -330,29 +407,13 @@ class vSurge:  # noqa: N801 - the seed's name
         if stream:
             return self._stream_many(requests)
         results = await asyncio.gather(*(self._collect(r) for r in requests))
-        return results[0] if single else results
+        return [sample for samples in results for sample in samples]
 
-    async def _collect(self, request: vSurgeRequest):
-        agg: dict[int, ReturnSample] = {}
-        async for items in self.complete(request):
-            for s in items:
-                a = agg.setdefault(
-                    s.index,
-                    ReturnSample(
-                        text="", token_ids=[], index=s.index, logprobs=[] if s.logprobs is not None else None
-                    ),
-                )
-                a.text += s.text
-                a.token_ids += s.token_ids
-                if s.logprobs is not None:
-                    a.logprobs = (a.logprobs or []) + s.logprobs
-                a.finish_reason = s.finish_reason
-                a.num_generated_tokens = s.num_generated_tokens
-                a.num_prompt_tokens = s.num_prompt_tokens
-                a.tokens_per_second = s.tokens_per_second
-                a.time_to_first_token = s.time_to_first_token
-        out = [agg[i] for i in sorted(agg)]
-        return out[0] if len(out) == 1 else out
+    async def _collect(self, request: vSurgeRequest) -> list[ReturnSample]:
+        """Every step of one request merged: one ReturnSample per sample, in index order."""
+        steps = [step async for step in self.complete(request)]
+        merged = merge_steps([], steps)
+        return sorted(merged, key=lambda s: s.index)
 
     async def _stream_many(self, requests: list[vSurgeRequest]) -> AsyncIterator[list[ReturnSample]]:
         queue: asyncio.Queue = asyncio.Queue()

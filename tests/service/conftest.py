@@ -28,3 +28,11 @@ def tiny_llama(tiny_checkpoint):
 
 # Real S3 / GCS / Hub servers on loopback for the model-source tests (tests/service/test_sources_*.py).
 from sources_servers import gcs, gcs_server, hub, moto_server, s3, sharded_ckpt  # noqa: E402, F401
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Say why the seed conformance tests did not run (no ../shared/seed beside the repository)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "no seed document" in str(r.longrepr)]
+    if skipped:
+        reason = str(skipped[0].longrepr[-1]) if isinstance(skipped[0].longrepr, tuple) else ""
+        terminalreporter.write_line(f"{len(skipped)} seed conformance tests skipped: {reason}", yellow=True)

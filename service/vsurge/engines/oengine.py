@@ -35,10 +35,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..engine_config import EngineConfig
+from ..engine_config import DEFAULT_SEED, EngineConfig
 from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
 from ..models.pallas_sharded import configure as configure_attention
 from ..sampling_params import SamplingParams
+from ..seed_args import ENGINE_ARGS, default, seed_engine_config
 from .engine_base import EngineBase, _doubling, compile_jobs, constrain, decode_buckets, sampling_context
 from .host_arrays import put_host
 from .kernel_fallback import compile_with_fallback
@@ -52,6 +53,8 @@ from .sampling import (
     sample,
     set_slot,
 )
+from .seed_layer import seed_forms
+from .seed_paged import PagedSeedLayer
 
 log = logging.getLogger(__name__)
 
@@ -159,22 +162,33 @@ def _forward_impl(
     return tuple(pages), logits
 
 
-class oEngine(EngineBase):  # noqa: N801 - the seed's name
+@seed_forms  # the seed's decode beside ours, forward, free_resource (seed_paged.py)
+class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
     """Paged-cache engine: chunked prefill into pages, decode over page tables."""
 
     def __init__(
         self,
         model: Any,
         processor: Any,
-        config: EngineConfig | None = None,
-        *,
         storage: PagedAttentionCache | None = None,
         manager: HBMPageManager | None = None,
+        max_concurrent_decodes: int | None = None,
+        max_concurrent_prefill: int | None = None,
+        prefill_lengths: Sequence[int] | int | None = None,
+        max_prefill_length: int | None = None,
+        max_length: int | None = None,
+        batch_size: int | None = None,
+        seed: int = default(DEFAULT_SEED),
+        *,
+        config: EngineConfig | None = None,
         **kw: Any,
     ):
-        """``config`` (an EngineConfig; default: every default) with the keyword arguments applied;
-        ``storage`` / ``manager``: a cache and page manager to use instead of new ones."""
-        config = EngineConfig.build(config, **kw).replace(driver="odriver")
+        """The seed's arguments in the seed's order over ``config`` (an EngineConfig), then the keyword
+        options, as vEngine's; ``storage`` / ``manager``: a cache and page manager to use instead of new
+        ones (None: made here)."""
+        seed_values = {k: v for k, v in locals().items() if k in ENGINE_ARGS}  # the seed's, as passed
+        config = seed_engine_config(config, "odriver", seed_values, kw, third=storage)
+        storage = None if isinstance(storage, EngineConfig) else storage
         cfg = model.config
         # the largest bucket is the largest chunk; longer prompts are prefilled in several chunks
         self._setup(model, processor, config)

@@ -23,10 +23,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..engine_config import EngineConfig
+from ..engine_config import DEFAULT_SEED, EngineConfig
 from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, kv_store, to_flat
 from ..models.sharding import dense_cache_sharding
 from ..sampling_params import SamplingParams
+from ..seed_args import ENGINE_ARGS, default, seed_engine_config
 from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
 from .decode_block import DecodeBlocks
@@ -43,6 +44,8 @@ from .sampling import (
     sample,
     sharded_sampling,
 )
+from .seed_dense import DenseSeedLayer
+from .seed_layer import seed_forms
 from .slot_moves import move_args, move_rows_program
 from .spec_verify import SpeculativeVerifier, VerifyStep
 
@@ -193,13 +196,30 @@ def resolve_decode_steps(steps: int | None, backend: str | None = None) -> int:
     return 4 if (backend or jax.default_backend()) == "tpu" else 1
 
 
-class vEngine(EngineBase):  # noqa: N801 - the seed's name
+@seed_forms  # the seed's prefill / decode / insert / bulk_insert beside ours (seed_dense.py)
+class vEngine(DenseSeedLayer, EngineBase):  # noqa: N801 - the seed's name
     """Dense-cache engine: prefill, insert into a slot, decode all slots, free a slot."""
 
-    def __init__(self, model: Any, processor: Any, config: EngineConfig | None = None, **kw: Any):
-        """``config`` (an EngineConfig; default: every default) with the keyword arguments applied
-        (``vEngine(model, tok, max_concurrent_decodes=4, max_length=300)``)."""
-        config = EngineConfig.build(config, **kw).replace(driver="vdriver")
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        max_concurrent_decodes: int | None = None,
+        max_concurrent_prefill: int | None = None,
+        prefill_lengths: Sequence[int] | int | None = None,
+        max_prefill_length: int | None = None,
+        max_length: int | None = None,
+        batch_size: int | None = None,
+        seed: int = default(DEFAULT_SEED),
+        *,
+        config: EngineConfig | None = None,
+        **kw: Any,
+    ):
+        """The seed's arguments, in the seed's order, over ``config`` (an EngineConfig; default: every
+        default), then the keyword options applied (``vEngine(model, tok, 4, max_length=300)``); an
+        argument left at its default keeps the config's value (seed_args.py)."""
+        seed_values = {k: v for k, v in locals().items() if k in ENGINE_ARGS}  # the seed's, as passed
+        config = seed_engine_config(config, "vdriver", seed_values, kw, third=max_concurrent_decodes)
         # smallest_rows=1: one live row: XLA:CPU's matrix-vector path is ~25% faster than 4 rows
         self._setup(model, processor, config, smallest_rows=1)
         num_top_logprobs = self.num_top_logprobs

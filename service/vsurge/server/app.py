@@ -8,6 +8,7 @@ metrics registry and the tracer; generation.py and info_routes.py hold the route
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 import threading
@@ -47,8 +48,11 @@ _OFFLOAD_CHARS = 65536
 class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # noqa: N801 - the seed's name
     """OpenAI-compatible HTTP server over `vsurge_map` (a vSurge, or {served name: vSurge}).
 
-    `max_workers` and `oai_like_processor` are accepted for the seed's signature; the server is fully async
-    and always applies the model's own chat template.
+    `max_workers` (the seed's thread pool): threads for the work the server takes off its event loop
+    (token counting, chat templates and tokenization of long prompts, /metrics, stopping the engines);
+    requests themselves are served by the event loop. `oai_like_processor` (the seed's): a multimodal
+    processor (a transformers ProcessorMixin) gets message content as OpenAI's list of typed parts, as its
+    chat template reads it; False, or a plain tokenizer: content is a string.
 
     Split by job: Lifecycle (lifecycle.py), GenerationRoutes (generation.py), InfoRoutes (info_routes.py),
     TokenRoutes (token_routes.py); this class holds the shared state, the request helpers and the app.
@@ -70,6 +74,12 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # 
     ) -> None:
         from .tool_parsers import PARSERS
 
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+            raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
+        self.max_workers = max_workers
+        self.oai_like_processor = bool(oai_like_processor)
+        self.thread_pool: concurrent.futures.ThreadPoolExecutor | None = None  # while the app runs
+        self.metrics_enabled = True  # fire(metrics_port=-1) turns it off
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}"
@@ -126,6 +136,9 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # 
 
         @asynccontextmanager
         async def lifespan(app: Starlette):
+            # every asyncio.to_thread of this loop (the server's and vSurge's offloads) runs in this pool
+            self.thread_pool = concurrent.futures.ThreadPoolExecutor(self.max_workers, "vsurge-api")
+            asyncio.get_running_loop().set_default_executor(self.thread_pool)
             yield
             # uvicorn is done with every connection: stop the engines off the loop (threads join).
             await asyncio.to_thread(self.stop_engines)
@@ -203,9 +216,16 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # 
         ssl_certfile: str | None = None,
         **kw: Any,
     ) -> None:
-        """Run the server until SIGTERM/SIGINT (drains first); the seed's signature. See runner.serve."""
+        """Run the server until SIGTERM/SIGINT (drains first); the seed's signature. See runner.serve.
+
+        ``metrics_port``: the Prometheus port; None, ``port + 1``; -1 (the seed's): no /metrics at all. To
+        serve /metrics on the main port instead, build the server with ``metrics_on_main_port=True``."""
         from .runner import serve
 
+        if metrics_port == -1:
+            kw["serve_metrics"] = False
+        elif self.metrics_on_main_port:
+            metrics_port = -1  # runner.start's value for "on the main port"
         serve(
             self,
             host=host,

@@ -76,6 +76,7 @@ class GenerationRoutes:
                 "max_length": entry.max_length,
                 "vocab_size": entry.vocab_size,
                 "tool_call_parser": getattr(self, "tool_call_parser", None),
+                "oai_like_processor": getattr(self, "oai_like_processor", True),
             }
             plan = await asyncio.to_thread(plan_chat, *args, **kw) if big else plan_chat(*args, **kw)
         else:

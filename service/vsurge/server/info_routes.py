@@ -25,9 +25,10 @@ class InfoRoutes:
     """Models, probes, load and metrics. A mixin of vSurgeApiServer."""
 
     @answers_api_errors
-    async def available_inference(self, request: Request) -> Response:
-        """GET /v1/models."""
-        self._check_auth(request)
+    async def available_inference(self, request: Request | None = None) -> Response:
+        """GET /v1/models (called in Python without a request, as the seed's is: no auth to check)."""
+        if request is not None:
+            self._check_auth(request)
         return JSONResponse({"object": "list", "data": [_model_card(m) for m in self.models.values()]})
 
     @answers_api_errors
@@ -36,14 +37,14 @@ class InfoRoutes:
         self._check_auth(request)
         return JSONResponse(_model_card(self._model(request.path_params["model_id"])))
 
-    async def liveness(self, request: Request) -> Response:
+    async def liveness(self, request: Request | None = None) -> Response:
         """GET /liveness: the process and its event loop answer; fails only if an engine died while serving."""
         dead = self._dead_engines()
         if dead:
             return JSONResponse({"status": "dead", "engines": dead}, status_code=503)
         return JSONResponse({"status": "alive"})
 
-    async def readiness(self, request: Request) -> Response:
+    async def readiness(self, request: Request | None = None) -> Response:
         """GET /readiness: 200 only when compiled, started and not draining."""
         if self.state == READY and self.stop_announced:
             return _error_response(errors.not_ready(self.stop_announced))
@@ -95,8 +96,7 @@ class InfoRoutes:
     async def metrics_route(self, request: Request) -> Response:
         """GET /metrics on the main port (when the metrics port is -1)."""
         if not self.metrics_on_main_port:
-            return _error_response(
-                APIError(404, "Metrics are served on the metrics port.", code="unknown_route")
-            )
+            where = "served on the metrics port" if getattr(self, "metrics_enabled", True) else "disabled"
+            return _error_response(APIError(404, f"Metrics are {where}.", code="unknown_route"))
         data = await asyncio.to_thread(self.metrics.render)
         return Response(data, media_type=CONTENT_TYPE)

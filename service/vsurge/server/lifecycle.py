@@ -47,17 +47,23 @@ class Lifecycle:
         return entry
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile every shape of every model (blocking), start the engines, then report ready."""
+        """Compile every shape of every model (blocking), start the engines, then report ready; a model
+        already running (compiled and started by the caller) is left as it is."""
+        say = progress or (lambda msg: None)
         for name, entry in list(self.models.items()):
-            say = progress or (lambda msg: None)
-            say(f"compiling {name}")
-            t0 = time.perf_counter()
-            entry.surge.compile(progress)
-            seconds = time.perf_counter() - t0
-            self.metrics.compile_seconds.labels(name).set(seconds)
-            self.metrics.load_seconds.labels(name, "compile").set(seconds)
-            say(f"compiled {name} in {seconds:.1f}s")
-            entry.surge.start()
+            if entry.surge.live:  # compiled and started by the caller (the seed's compile(); start(); fire())
+                say(f"{name} is already running")
+                seconds = getattr(entry.surge, "compile_seconds", None)
+            else:
+                say(f"compiling {name}")
+                t0 = time.perf_counter()
+                entry.surge.compile(progress)
+                seconds = time.perf_counter() - t0
+                say(f"compiled {name} in {seconds:.1f}s")
+                entry.surge.start()
+            if seconds is not None:
+                self.metrics.compile_seconds.labels(name).set(seconds)
+                self.metrics.load_seconds.labels(name, "compile").set(seconds)
         self.mark_ready()
 
     def mark_ready(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .content_parts import as_content_parts, wants_content_parts
 from .errors import invalid_request, unsupported_field
 from .schemas import ChatMessage
 from .tool_parsers import with_tools_for_template
@@ -162,9 +163,11 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     describe_tools: bool = True,
     documents: list[dict[str, Any]] | None = None,
+    oai_like_processor: bool = True,
 ) -> str:
     """Apply the model's chat template; a template that refuses the conversation is the client's 400.
-    ``tools`` go to the template's own tool support, or into a system message where it has none."""
+    ``tools`` go to the template's own tool support, or into a system message where it has none.
+    ``oai_like_processor``: a multimodal processor gets content as typed parts (content_parts.py)."""
     if processor is None:
         raise invalid_request(
             "This model has no tokenizer; send token ids to /v1/completions.", param="model"
@@ -185,6 +188,8 @@ def render_chat(
     if documents is not None:
         kwargs["documents"] = documents
     messages, template_tools = with_tools_for_template(messages, tools or [], processor, describe_tools)
+    if wants_content_parts(processor, oai_like_processor):
+        messages = as_content_parts(messages)
     if template_tools:
         kwargs["tools"] = template_tools
     try:

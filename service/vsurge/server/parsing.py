@@ -112,6 +112,7 @@ def plan_chat(
     max_length: int,
     vocab_size: int | None = None,
     tool_call_parser: str | None = None,
+    oai_like_processor: bool = True,
 ) -> GenerationPlan:
     """A validated chat request -> the rendered prompt and sampling parameters."""
     check_unsupported_chat(req)
@@ -147,6 +148,7 @@ def plan_chat(
         tools=tools.template_tools if tools is not None else None,
         describe_tools=tools is not None and tools.choice == "auto",
         documents=req.documents,
+        oai_like_processor=oai_like_processor,
     )
     stream, include, continuous = stream_flags(req)
     return GenerationPlan(

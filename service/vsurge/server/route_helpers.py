@@ -23,7 +23,8 @@ def answers_api_errors(route: _Route) -> _Route:
     """For routes outside generation: an APIError raised anywhere in `route` becomes its JSON answer."""
 
     @functools.wraps(route)
-    async def answer(self: Any, request: Request) -> Response:
+    async def answer(self: Any, request: Request | None = None) -> Response:
+        # request None: a route the seed's API awaits in Python (available_inference)
         try:
             return await route(self, request)
         except APIError as e:
@@ -31,7 +32,7 @@ def answers_api_errors(route: _Route) -> _Route:
         except Exception as e:  # never a plain-text 500 (and a reset kept-alive connection)
             err = errors.from_exception(e)
             if err.status >= 500:
-                log.exception("%s failed", request.url.path)
+                log.exception("%s failed", request.url.path if request is not None else route.__name__)
             return _error_response(err)
 
     return answer

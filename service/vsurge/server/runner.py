@@ -118,12 +118,13 @@ def start(
     progress: Callable[[str], None] | None = _announce,
     in_thread: bool = True,
     configure_logging: bool = False,
+    serve_metrics: bool = True,
 ) -> RunningServer:
     """Bind the ports, start the background startup, and run uvicorn in a thread (or prepare to run it).
 
     port 0 picks a free port (tests). metrics_port None means port + 1; -1 serves /metrics on the main
-    port. warm_up=False leaves the server in 'starting' until the caller runs `api.warm_up()` or
-    `api.mark_ready()`.
+    port; serve_metrics=False serves it nowhere (`fire(metrics_port=-1)`, the seed's). warm_up=False
+    leaves the server in 'starting' until the caller runs `api.warm_up()` or `api.mark_ready()`.
     """
     say = progress or (lambda msg: None)
     config = uvicorn.Config(
@@ -144,8 +145,11 @@ def start(
     metrics_httpd = None
     if metrics_port is None:
         metrics_port = bound_port + 1 if port else 0
-    api.metrics_on_main_port = metrics_port == -1
-    if metrics_port == -1:
+    api.metrics_on_main_port = serve_metrics and metrics_port == -1
+    api.metrics_enabled = serve_metrics
+    if not serve_metrics:
+        metrics_url = "off"
+    elif metrics_port == -1:
         metrics_url = f"{scheme}://{_shown(host)}:{bound_port}/metrics"
     else:
         metrics_httpd, _ = start_metrics_server(api.metrics.registry, host, metrics_port)

@@ -154,11 +154,14 @@ class CompletionRequest(_SamplingFields):
     best_of: Any = None
 
 
-class CountTokensRequest(_Lenient):
+class CountTokenRequest(_Lenient):
     """The seed's /v1/count_tokens body: a plain string or a chat conversation."""
 
     model: str | None = None
     conversation: str | list[ChatMessage]
+
+
+CountTokensRequest = CountTokenRequest  # the name this module used before it took the seed's
 
 
 class TokenizeRequest(_Lenient):

@@ -12,7 +12,7 @@ from . import errors
 from .engine import ServedModel
 from .messages import check_generation_prompt, messages_to_dicts, render_chat
 from .route_helpers import answers_api_errors
-from .schemas import CountTokensRequest, DetokenizeRequest, TokenizeRequest
+from .schemas import CountTokenRequest, DetokenizeRequest, TokenizeRequest
 from .structured_outputs import parse_tools
 
 # tokenizer_config keys that are file paths on the server, not configuration
@@ -66,7 +66,7 @@ class TokenRoutes:
     @answers_api_errors
     async def count_tokens(self, request: Request) -> Response:
         """POST /v1/count_tokens (the seed's): {"model", "conversation": str | messages} -> {"model", "count"}."""
-        req, entry = await self._model_request(request, CountTokensRequest)
+        req, entry = await self._model_request(request, CountTokenRequest)
         if isinstance(req.conversation, str):
             conv: Any = req.conversation
         else:
@@ -97,6 +97,7 @@ class TokenRoutes:
                 continue_final_message=bool(req.continue_final_message),
                 chat_template_kwargs=req.chat_template_kwargs,
                 tools=tools.template_tools if tools is not None else None,
+                oai_like_processor=getattr(self, "oai_like_processor", True),
             )
         else:
             if req.tools is not None:
