@@ -92,13 +92,16 @@ class FakeUpstream:
 
     Knobs the tests turn: `status` (answer every request with it, e.g. 503 while "draining"), `gate` (a
     stream sends its first event, then waits for the gate before the rest; a non-streamed answer waits
-    for it before answering). It records every request, how many are open now, and how many ended
-    because the client (the router) went away.
+    for it before answering), `load` (the `GET /load` report; None: no such route, 404), `drop` (send
+    the response headers, then close the connection without a body byte). It records every request, how
+    many are open now, and how many ended because the client (the router) went away.
     """
 
     name: str
     status: int = 200
     gate: threading.Event | None = None
+    load: dict[str, Any] | None = None
+    drop: bool = False
     requests: list[dict[str, Any]] = field(default_factory=list)
     open: int = 0
     cancelled: int = 0
@@ -199,9 +202,55 @@ class FakeUpstream:
         finally:
             self.open -= 1
 
-    def app(self) -> Starlette:
+    async def load_route(self, request: Request) -> Response:
+        if self.load is None:
+            return JSONResponse({"detail": "Not Found"}, 404)
+        return JSONResponse(self.load)
+
+    def app(self) -> Any:
         paths = ["/v1/chat/completions", "/v1/completions", "/v1/count_tokens", "/tokenize", "/detokenize"]
-        return Starlette(routes=[Route(p, self.handle, methods=["POST"]) for p in paths])
+        routes = [Route(p, self.handle, methods=["POST"]) for p in paths]
+        inner = Starlette(routes=[*routes, Route("/load", self.load_route, methods=["GET"])])
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and self.drop and scope["path"] != "/load":
+                # Headers out, then the connection goes: the router has not relayed a byte yet.
+                self.requests.append({"path": scope["path"], "headers": {}, "body": {}, "query": ""})
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                raise RuntimeError("dropped on purpose")
+            await inner(scope, receive, send)
+
+        return app
+
+
+def load_report(
+    *,
+    waiting: int = 0,
+    running: int = 0,
+    slots: int = 4,
+    kv: float = 0.0,
+    status: str = "ready",
+    driver: str = "vdriver",
+    model: str = "alpha",
+) -> dict[str, Any]:
+    """A `/load` body as `vsurge serve` writes it (server/load.py)."""
+    per_model = {
+        "driver": driver,
+        "requests_waiting": waiting,
+        "requests_running": running,
+        "slots_used": min(running, slots),
+        "slots_total": slots,
+        "slots_free": max(0, slots - running),
+        "kv_pages_used": None,
+        "kv_pages_total": None,
+        "kv_usage": kv,
+    }
+    return {
+        "server_load": waiting + running,
+        "status": status,
+        **{k: v for k, v in per_model.items() if k != "driver"},
+        "models": {model: per_model},
+    }
 
 
 # ---------------------------------------------------------------------------------- in-process router
