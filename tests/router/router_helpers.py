@@ -145,8 +145,9 @@ class FakeUpstream:
             )
         model = payload.get("model")
         if request.url.path == "/v1/chat/completions" and payload.get("stream"):
+            usage = bool((payload.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(
-                self._stream(model), media_type="text/event-stream", headers={"x-upstream": self.name}
+                self._stream(model, usage), media_type="text/event-stream", headers={"x-upstream": self.name}
             )
         self.open += 1
         try:
@@ -179,7 +180,11 @@ class FakeUpstream:
             headers={"x-upstream": self.name},
         )
 
-    async def _stream(self, model: str) -> AsyncIterator[bytes]:
+    async def _stream(self, model: str, include_usage: bool = False) -> AsyncIterator[bytes]:
+        # As vsurge serve streams with stream_options.include_usage: `usage: null` on every chunk, then a
+        # last chunk with empty choices that carries the usage.
+        extra = {"usage": None} if include_usage else {}
+
         def event(content: str, finish: str | None = None) -> bytes:
             chunk = {
                 "id": "chatcmpl-1",
@@ -187,6 +192,7 @@ class FakeUpstream:
                 "created": 1,
                 "model": model,
                 "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+                **extra,
             }
             return f"data: {json.dumps(chunk)}\n\n".encode()
 
@@ -195,6 +201,16 @@ class FakeUpstream:
             yield event(f"first from {self.name}")
             await self._wait_gate()
             yield event(" second", "stop")
+            if include_usage:
+                last = {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 1,
+                    "model": model,
+                    "choices": [],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+                }
+                yield f"data: {json.dumps(last)}\n\n".encode()
             yield b"data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled += 1
