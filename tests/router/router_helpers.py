@@ -37,6 +37,20 @@ for extra in (REPO / "tests", REPO / "tests" / "service", REPO / "operator"):
 import kmock_harness  # noqa: E402
 
 
+def load_benchmark(name: str) -> Any:
+    """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    if spec.name in sys.modules:
+        return sys.modules[spec.name]
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def wait_for(
     predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = ""
 ) -> Any:

@@ -184,12 +184,30 @@ def test_prefix_decision_follows_the_deepest_block_seen_under_the_bound() -> Non
 
 
 def test_prefix_index_is_bounded_and_forgets_gone_pods() -> None:
-    index = PrefixIndex(capacity=3)
+    index = PrefixIndex(capacity=3, per_block=2)
     index.record([b"1", b"2"], A)
     index.record([b"3", b"4"], B)
-    assert len(index) == 3 and index.get(b"1") is None and index.get(b"2") == A
-    index.forget({A})
-    assert index.get(b"2") is None and index.get(b"4") == B
+    assert len(index) == 3 and index.get(b"1") == () and index.get(b"2") == (A,)
+    index.record([b"2"], B)
+    index.record([b"2"], C)
+    assert index.get(b"2") == (B, C)  # the two most recent holders, most recent last
+    index.forget({C})
+    assert index.get(b"2") == (B,) and index.get(b"4") == (B,)
+
+
+def test_a_prompt_held_by_several_pods_goes_to_the_least_loaded_holder() -> None:
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    ring = HashRing([A, B, C], vnodes=40)
+    index = PrefixIndex()
+    index.record(hashes[:3], A)
+    index.record(hashes[:3], B)  # the system prompt spilled to B once: both hold it
+    loads = {A: 1, B: 0, C: 0}
+    assert prefix_decision(hashes, [A, B, C], loads, eps=0.25, key_blocks=2, index=index, ring=ring) == (
+        B,
+        "prefix_match",
+    )
+    loads = {A: 0, B: 2, C: 0}
+    assert prefix_decision(hashes, [A, B, C], loads, eps=0.25, key_blocks=2, index=index, ring=ring)[0] == A
 
 
 def test_the_picker_resolves_auto_by_the_driver_the_pods_report() -> None:

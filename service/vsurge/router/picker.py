@@ -1,14 +1,15 @@
 """The routing policies over one model's pods: `least-load`, `prefix` and `round-robin`.
 
 - `least-load`: the pod with the most headroom (picking.pick_least_load).
-- `prefix`: requests that share a prompt prefix go to the pod that holds its KV pages. The prompt's chained
+- `prefix`: requests that share a prompt prefix go to a pod that holds its KV pages. The prompt's chained
   block hashes (prefix.py) are looked up in a per-model index of the pods recent requests went to: the
-  deepest block seen, if it is at least as deep as the ring key and its pod is under the load bound, wins
-  (a multi-turn chat follows its own history even after its first turn spilled over). Otherwise the key
-  is the hash of the first `key_blocks` blocks (or of every full block of a shorter prompt) and the pod is
-  found by consistent hashing with bounded load (hashring.py): the same system prompt, few-shot block or
-  conversation start goes to the same pod until that pod is above (1 + eps) times the mean load. A prompt
-  shorter than one block has nothing to share and goes by least-load.
+  deepest block seen, if it is at least as deep as the ring key, on a pod under the load bound, wins (a
+  multi-turn chat follows its own history; a system prompt that spilled to a second pod is found on
+  either). Otherwise the key is the hash of the first `key_blocks` blocks (or of every full block of a
+  shorter prompt) and the pod is found by consistent hashing with bounded load (hashring.py): the same
+  system prompt, few-shot block or conversation start goes to the same pod until that pod is above
+  (1 + eps) times the mean load, then to the next pod on the ring. A prompt shorter than one block has
+  nothing to share and goes by least-load.
 - `round-robin`: each pod in turn (the baseline the benchmarks compare against).
 
 `routing=None` ("auto") picks per model: `prefix` when its pods report the paged driver (odriver, the
@@ -38,29 +39,36 @@ class Decision:
 
 
 class PrefixIndex:
-    """Block hash -> the pod the last request holding that block went to; least recently used evicted."""
+    """Block hash -> the pods recent requests holding that block went to (the last `per_block`, most recent
+    last): the pods likely to still hold its KV pages. Least recently used blocks are evicted."""
 
-    def __init__(self, capacity: int = 65536) -> None:
+    def __init__(self, capacity: int = 65536, per_block: int = 4) -> None:
         self.capacity = max(1, capacity)
-        self._pods: OrderedDict[bytes, str] = OrderedDict()
+        self.per_block = max(1, per_block)
+        self._pods: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._pods)
 
-    def get(self, key: bytes) -> str | None:
-        return self._pods.get(key)
+    def get(self, key: bytes) -> tuple[str, ...]:
+        return self._pods.get(key, ())
 
     def record(self, hashes: Sequence[bytes], pod: str) -> None:
         for h in hashes:
-            self._pods[h] = pod
+            pods = tuple(p for p in self._pods.get(h, ()) if p != pod) + (pod,)
+            self._pods[h] = pods[-self.per_block :]
             self._pods.move_to_end(h)
         while len(self._pods) > self.capacity:
             self._pods.popitem(last=False)
 
     def forget(self, pods: Collection[str]) -> None:
-        """Drop every entry of pods that are gone (their cache went with them)."""
-        for key in [k for k, p in self._pods.items() if p in pods]:
-            del self._pods[key]
+        """Drop pods that are gone (their cache went with them)."""
+        for key in list(self._pods):
+            kept = tuple(p for p in self._pods[key] if p not in pods)
+            if kept:
+                self._pods[key] = kept
+            else:
+                del self._pods[key]
 
 
 def prefix_decision(
@@ -75,6 +83,8 @@ def prefix_decision(
 ) -> tuple[str, str] | None:
     """The pod for a prompt with these block hashes, and how it was found (pure but for the index read).
 
+    The deepest block (at least `key_blocks` deep) that a candidate under the load bound was sent: of
+    those pods, the least loaded (the most recent on a tie). Else the key block's place on the ring.
     None when the prompt has no full block (the caller falls back to least-load).
     """
     if not hashes or not candidates:
@@ -84,9 +94,11 @@ def prefix_decision(
     depth = min(len(hashes), key_blocks)
     if index is not None:
         for i in range(len(hashes) - 1, depth - 2, -1):
-            pod = index.get(hashes[i])
-            if pod in allowed and loads.get(pod, 0) + 1 <= bound:
-                return pod, "prefix_match"
+            holders = [
+                p for p in reversed(index.get(hashes[i])) if p in allowed and loads.get(p, 0) + 1 <= bound
+            ]
+            if holders:
+                return min(holders, key=lambda p: loads.get(p, 0)), "prefix_match"
     pod = bounded_pick(ring, hashes[depth - 1], loads, eps, candidates=allowed)
     return (pod, "prefix_hash") if pod is not None else None
 
