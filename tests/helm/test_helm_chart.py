@@ -8,6 +8,7 @@ that the chart uses (those CRDs are not in this repository).
 
 from __future__ import annotations
 
+import base64
 import copy
 import re
 from typing import Any
@@ -636,7 +637,7 @@ def test_router_tenants_and_routing(renders: dict[str, Rendered]) -> None:
         if v["name"] == "api-keys"
     )
     secret = r.get("Secret", volume["secret"]["secretName"])
-    ring = parse_api_keys_text(secret["stringData"]["api-keys.yaml"])
+    ring = parse_api_keys_text(base64.b64decode(secret["data"]["api-keys.yaml"]).decode())
     assert set(ring.tenants) == {"team-a", "batch"}
     assert ring.authenticate("sk-batch-0123456789abcdef").name == "batch"
     assert ring.tenants["team-a"].models == frozenset({"smollm2"}) and ring.tenants["team-a"].burst == 10

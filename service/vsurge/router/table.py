@@ -6,8 +6,8 @@ backends may serve one served name (the same `servedName` in two namespaces, or 
 InferenceModel): their upstreams are pooled as replicas of one model.
 
 Pods: an InferenceModel's backend names its Service (`service`). The EndpointSlice watch publishes the
-ready pod addresses of each Service (`replace_slices` / `upsert_slice` / `remove_slice`); once it has
-listed a namespace, a backend's upstreams there are its Service's ready pods, and requests go to pods
+ready pod addresses of each Service (`replace_slices` / `upsert_slice` / `remove_slice`); once a slice of
+a backend's Service is known, its upstreams are that Service's ready pods, and requests go to pods
 directly. Until then (or when the router may not list EndpointSlices) the backend's own upstreams stand
 in: the Service URL from `status.endpoint`.
 
@@ -173,17 +173,19 @@ class EndpointTable:
             self._notify()
 
     def pods_of(self, service: ServiceRef) -> tuple[str, ...] | None:
-        """The ready pods of `service`, or None when no EndpointSlice list covers its namespace."""
-        known = False
+        """The ready pods of `service`, or None when no EndpointSlice of it is known (slices not listed in
+        its namespace, not allowed, or a Service without a selector, which gets none): the caller then
+        uses the backend's own URL. A Service's slices exist as soon as the Service does, empty or not."""
         pods: dict[str, None] = {}
+        found = False
         for group, scope in self._slice_scopes.items():
             if scope is not None and scope != service.namespace:
                 continue
-            known = True
             for ref, urls in self._slices.get(group, {}).values():
                 if ref == service:
+                    found = True
                     pods.update(dict.fromkeys(urls))
-        return tuple(pods) if known else None
+        return tuple(pods) if found else None
 
     # -- aliases
 
