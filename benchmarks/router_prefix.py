@@ -4,6 +4,8 @@ one pod drained (SIGTERM) while requests run, counting what the clients saw.
 
     # tiny random model (made on the fly), 3 odriver pods, 8 system prompts x 12 users, 8 in flight:
     python benchmarks/router_prefix.py --tiny
+    # a bigger random model (prefill then costs enough for the cache to show in TTFT):
+    python benchmarks/router_prefix.py --tiny --tiny-hidden 512 --tiny-layers 8 --users 24
     # a real checkpoint, more users, JSON out:
     python benchmarks/router_prefix.py --model /models/llama --users 24 --json out.json
 
@@ -338,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tiny", action="store_true", help="make a tiny random llama (tests/service/tiny_models.py)"
     )
+    p.add_argument("--tiny-hidden", type=int, default=64, help="its hidden size (64: the tests' model)")
+    p.add_argument("--tiny-layers", type=int, default=2, help="its layers")
     p.add_argument("--pods", type=int, default=3)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--users", type=int, default=12)
@@ -356,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "service"))
         from tiny_models import make_checkpoint
 
-        make_checkpoint(root / "tiny", "llama", seed=0)
+        make_checkpoint(root / "tiny", "llama", seed=0, hidden=args.tiny_hidden, layers=args.tiny_layers)
         model = str(root / "tiny")
     name = "bench"
     pods = start_pods(model, name, args.pods, root, args.serve_flags.split())
