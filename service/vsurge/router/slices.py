@@ -143,6 +143,15 @@ class EndpointSliceDiscovery(ListWatcher):
             self.version[namespace] = VERSIONS[VERSIONS.index(version) + 1]
             log.info("EndpointSlices: %s/%s not served; using %s", GROUP, version, self.version[namespace])
             return 0.0
+        if status == 404:  # no EndpointSlice API at all: Services it is; look again now and then
+            self.version.pop(namespace, None)
+            log.warning(
+                "EndpointSlices are not served by this API server; routing to the models' Services; "
+                "asking again in %.0fs",
+                FORBIDDEN_RETRY_SECONDS,
+            )
+            post(table.forget_slices, slice_group(namespace))
+            return FORBIDDEN_RETRY_SECONDS
         if status in (401, 403):
             log.error(
                 "EndpointSlices in %s: the API answered %s; routing to the models' Services instead of "
