@@ -350,6 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--policies", default="least-load,prefix,round-robin")
     p.add_argument("--no-faults", action="store_true", help="skip the kill and drain runs")
+    p.add_argument(
+        "--overhead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N one-token requests straight to a pod and through the router (polling /load or not)",
+    )
     p.add_argument("--serve-flags", default=" ".join(SERVE_FLAGS))
     p.add_argument("--router-flags", default=" ".join(ROUTER_FLAGS))
     p.add_argument("--json", help="write the results here")
@@ -378,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 router.stop()
             out["policies"][policy] = asdict(summarize(results, wall))
+        if args.overhead:
+            out["overhead"] = overhead(config, root, pods[0][1], name, router_flags, args.overhead)
         if not args.no_faults and args.pods >= 3:
             out["kill"] = fault_run(config, root, pods[0], signal.SIGKILL, args, name, router_flags, seed=50)
             out["drain"] = fault_run(config, root, pods[1], signal.SIGTERM, args, name, router_flags, seed=60)
@@ -421,6 +430,33 @@ def fault_run(config: Path, root: Path, pod: tuple[Proc, str], sig: int, args: a
     return s
 
 
+def overhead(config: Path, root: Path, pod_url: str, name: str, router_flags: Sequence[str], n: int) -> dict:
+    """Latency of one-token answers, one at a time: straight to a pod, and through the router with and
+    without /load polling (p50 / p99 ms). The router's cost per request, and what polling adds to it."""
+
+    def timed(url: str) -> dict[str, float]:
+        body = {"model": name, "prompt": "Hello", "max_tokens": 1}
+        samples = []
+        with httpx.Client(base_url=url, timeout=60) as c:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                assert c.post("/v1/completions", json=body).status_code == 200
+                samples.append(1000 * (time.perf_counter() - t0))
+        samples.sort()
+        return {"p50_ms": samples[len(samples) // 2], "p99_ms": samples[int(0.99 * (len(samples) - 1))]}
+
+    single = write_config(root / "single.json", name, [pod_url])
+    out = {"direct": timed(pod_url)}
+    for label, extra in (("router, /load polled", []), ("router, no polling", ["--load-poll-seconds=0"])):
+        router, url = start_router(single, root, "least-load", [*router_flags, *extra])
+        try:
+            timed(url)  # warm the connections
+            out[label] = timed(url)
+        finally:
+            router.stop()
+    return out
+
+
 def table(out: dict[str, Any]) -> str:
     lines = [
         "| policy | requests | errors | prefix-cache hit rate (tokens) | answers with a hit | output tok/s | TTFT p50 (ms) |",
@@ -431,6 +467,10 @@ def table(out: dict[str, Any]) -> str:
             f"| {policy} | {s['requests']} | {s['errors']} | {s['hit_rate']:.1%} | {s['hits']} | {s['tok_per_s']:.1f} | "
             f"{s['ttft_p50_ms']:.0f} |"
         )
+    if "overhead" in out:
+        lines.append("\n| one-token request, one at a time | p50 (ms) | p99 (ms) |\n|---|---:|---:|")
+        for label, o in out["overhead"].items():
+            lines.append(f"| {label} | {o['p50_ms']:.2f} | {o['p99_ms']:.2f} |")
     for kind in ("kill", "drain"):
         if kind in out:
             s = out[kind]
