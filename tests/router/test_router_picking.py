@@ -18,6 +18,7 @@ from vsurge.router.picking import (
     pick_round_robin,
     pick_upstream,
     pressure,
+    usable,
 )
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
@@ -221,3 +222,43 @@ def test_the_picker_resolves_auto_by_the_driver_the_pods_report() -> None:
     book.put(B, LoadReport(0.0, "draining", 0, 0, 4, 0.0, 0, {"m": "odriver"}))
     assert {picker.pick("m", [A, B], [b"k" * 16]).upstream for _ in range(5)} == {A}
     assert picker.pick("m", [A, B], exclude=[A]).upstream == B  # the last one left is tried anyway
+
+
+pods_st = st.lists(
+    st.sampled_from([A, B, C, "http://d:1", "http://e:1"]), min_size=1, max_size=5, unique=True
+)
+report_st = st.builds(
+    LoadReport,
+    at=st.just(0.0),
+    status=st.sampled_from(["ready", "draining"]),
+    waiting=st.integers(0, 20),
+    running=st.integers(0, 20),
+    slots_total=st.integers(0, 16),
+    kv_usage=st.floats(0, 1),
+    in_flight_then=st.integers(0, 10),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pods=pods_st, data=st.data(), turn=st.integers(0, 100))
+def test_the_pick_is_a_candidate_with_the_most_headroom(
+    pods: list[str], data: st.DataObject, turn: int
+) -> None:
+    in_flight = {p: data.draw(st.integers(0, 10)) for p in pods}
+    reports = {p: data.draw(report_st) for p in pods if data.draw(st.booleans())}
+    chosen = pick_least_load(pods, in_flight, reports, turn=turn)
+    assert chosen in pods
+    if len(reports) == len(pods):
+        assert pressure(in_flight[chosen], reports[chosen]) == min(
+            pressure(in_flight[p], reports[p]) for p in pods
+        )
+    else:  # any pod without a fresh report: the router's own counts decide
+        assert in_flight[chosen] == min(in_flight.values())
+    # Tried pods are never picked again; avoided ones only when nothing else is left.
+    tried = data.draw(st.lists(st.sampled_from(pods), unique=True))
+    avoid = data.draw(st.lists(st.sampled_from(pods), unique=True))
+    left = usable(pods, exclude=tried, avoid=avoid)
+    assert not set(left) & set(tried)
+    assert set(left) == (
+        {p for p in pods if p not in tried and p not in avoid} or {p for p in pods if p not in tried}
+    )
