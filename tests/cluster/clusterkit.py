@@ -113,10 +113,13 @@ class Kubelet:
         namespace: str,
         on_pod: Callable[[str, str], None] | None = None,
         ip_for: Callable[[dict[str, Any]], str | None] | None = None,
+        node: str | None = None,
     ):
         """``ip_for(pod)`` may pick a pod's IP (e.g. where a `vsurge serve` listens); ``on_pod(name, ip)``
-        is told of each new pod."""
+        is told of each new pod. ``node``: bind each pod to this Node first, as the scheduler would (the
+        EndpointSlice controller lists only pods on a Node that exists; see ``ensure_node``)."""
         self.api, self.namespace, self.on_pod, self.ip_for = api, namespace, on_pod, ip_for
+        self.node = node
         self.ips: dict[str, str] = {}  # pod name -> IP
         self.errors: list[BaseException] = []
         self.paused = threading.Event()
@@ -150,6 +153,17 @@ class Kubelet:
                 self.on_pod(name, ip)
             self.ips[name] = ip
             try:
+                if self.node and not pod["spec"].get("nodeName"):
+                    self.api.request(
+                        "POST",
+                        f"/api/v1/namespaces/{self.namespace}/pods/{name}/binding",
+                        {
+                            "apiVersion": "v1",
+                            "kind": "Binding",
+                            "metadata": {"name": name},
+                            "target": {"kind": "Node", "name": self.node},
+                        },
+                    )
                 self.api.patch(kube.POD, self.namespace, name, ready_status(ip), subresource="status")
             except ApiException as e:
                 if e.status != 404:
@@ -297,6 +311,15 @@ def service_account_token(api: kube.Kube, namespace: str, name: str, timeout: fl
                 return base64.b64decode(token).decode()
         time.sleep(0.2)
     raise AssertionError(f"no token for ServiceAccount {namespace}/{name}")
+
+
+def ensure_node(api: kube.Kube, name: str) -> None:
+    """A Node object (no kubelet behind it): what the EndpointSlice controller needs to list a bound pod."""
+    try:
+        api.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    except ApiException as e:
+        if e.status != 409:
+            raise
 
 
 def ensure_namespace(api: kube.Kube, name: str) -> None:

@@ -20,6 +20,7 @@ from clusterkit import (
     clean_env,
     condition,
     ensure_namespace,
+    ensure_node,
     helm_order,
     inference_model,
     render_chart,
@@ -91,6 +92,9 @@ def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, t
         },
     )
     assert _forbidden(as_router, "GET", f"{ns_path}/secrets")
+    assert _forbidden(as_router, "GET", f"{ns_path}/pods")  # its pods come from EndpointSlices only
+    assert _forbidden(as_router, "GET", f"{ns_path}/endpoints")
+    assert as_router.request("GET", f"/apis/discovery.k8s.io/v1beta1/namespaces/{namespace}/endpointslices")
     assert _forbidden(as_router, "GET", f"/apis/apps/v1/namespaces/{namespace}/deployments")
     assert _forbidden(
         as_router,
@@ -107,7 +111,9 @@ def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, t
         content_type=kube.MERGE_PATCH,
     )
 
-    kubelet = Kubelet(admin, namespace).start()
+    # Bound to a Node, so that the EndpointSlice controller lists the pods the router sends requests to.
+    ensure_node(admin, "rbac-test-node")
+    kubelet = Kubelet(admin, namespace, node="rbac-test-node").start()
     # As the chart runs it: --all-namespaces, peering left to kopf (no KopfPeering CRD here: standalone).
     operator = start_operator(
         configs["vsurge-operator"], tmp_path / "operator.log", "--all-namespaces", standalone=False
@@ -291,7 +297,8 @@ def test_namespaced_operator_and_router_are_confined_to_their_namespaces(k8s, tm
     assert _forbidden(as_router, "GET", "/apis/vsurge.io/v1alpha1/inferencemodels")
     assert _forbidden(as_router, "GET", "/apis/vsurge.io/v1alpha1/namespaces/elsewhere/inferencemodels")
 
-    kubelet = Kubelet(admin, "team-b").start()
+    ensure_node(admin, "rbac-test-node")  # bound pods: the EndpointSlice controller lists them for the router
+    kubelet = Kubelet(admin, "team-b", node="rbac-test-node").start()
     operator = start_operator(config, tmp_path / "operator.log", *(f"--namespace={ns}" for ns in watched))
     port = free_port()
     router = LoggedProcess(  # as the chart runs it: one watch per listed namespace

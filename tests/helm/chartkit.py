@@ -29,6 +29,7 @@ SCENARIOS: dict[str, tuple[str | None, str]] = {
     "defaults": (None, "vsurge-system"),
     "all-options": ("all-options-values.yaml", "vsurge-system"),
     "namespaced": ("namespaced-values.yaml", "team-a"),
+    "gateway": ("gateway-values.yaml", "vsurge-system"),
 }
 
 

@@ -8,6 +8,7 @@ that the chart uses (those CRDs are not in this repository).
 
 from __future__ import annotations
 
+import base64
 import copy
 import re
 from typing import Any
@@ -35,6 +36,11 @@ CRD_KINDS = {
     ("kopf.dev/v1", "ClusterKopfPeering"): "the chart's kopf peering CRDs (test_helm_operator_ha)",
     ("kopf.dev/v1", "KopfPeering"): "the chart's kopf peering CRDs (test_helm_operator_ha)",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "PromQL parsed, names checked (test_helm_monitoring)",
+    (
+        "inference.networking.k8s.io/v1",
+        "InferencePool",
+    ): "the extension's released CRD (test_gateway_objects)",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "Gateway API's released CRD (test_gateway_objects)",
 }
 
 # The exact set of objects each scenario renders: (kind, namespace or None for cluster-scoped, name).
@@ -57,6 +63,16 @@ _CLUSTER_WIDE: set[tuple[str, str | None, str]] = {
 }
 INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
     "defaults": _CLUSTER_WIDE | {("ServiceAccount", "vsurge-system", "vsurge-operator")},
+    "gateway": _CLUSTER_WIDE
+    | {
+        ("ServiceAccount", "vsurge-system", "vsurge-operator"),
+        ("Secret", "vsurge-system", "vsurge-router-api-keys"),
+        ("InferenceModel", "vsurge-system", "smollm2"),
+        ("InferencePool", "vsurge-system", "smollm2"),
+        ("HTTPRoute", "vsurge-system", "smollm2"),
+        ("InferencePool", "team-b", "qwen"),
+        ("HTTPRoute", "team-b", "qwen"),
+    },
     "all-options": _CLUSTER_WIDE
     | {
         ("ServiceAccount", "vsurge-system", "vsurge-operator-sa"),
@@ -241,6 +257,59 @@ def test_models_valid_against_crd(renders: dict[str, Rendered], crd: dict[str, A
     assert list(validator.iter_errors(broken))
 
 
+GATEWAY_CRDS = CHART_DIR.parents[1] / "tests" / "fixtures" / "gateway-crds"
+
+
+def _released_crd_schema(filename: str) -> dict[str, Any]:
+    crd = yaml.safe_load((GATEWAY_CRDS / filename).read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def test_gateway_objects(renders: dict[str, Rendered]) -> None:
+    """router.mode gateway: each InferencePool and HTTPRoute is valid against the released CRDs (the
+    extension's v1.6.0, Gateway API's v1.6.1 standard channel; vendored in tests/fixtures, applied to the
+    real API server by tests/cluster), loses no field to pruning, and points at what the operator runs."""
+    from vsurge_operator.manifests import APP_NAME, LABEL_MODEL, LABEL_NAME
+    from vsurge_operator.spec import HTTP_PORT
+
+    r = renders["gateway"]
+    pool_schema = _released_crd_schema("inferencepools.inference.networking.k8s.io.yaml")
+    route_schema = _released_crd_schema("httproutes.gateway.networking.k8s.io.yaml")
+    pools, routes = r.of_kind("InferencePool"), r.of_kind("HTTPRoute")
+    assert len(pools) == len(routes) == 2
+    for obj, schema in [(p, pool_schema) for p in pools] + [(h, route_schema) for h in routes]:
+        errors = list(jsonschema.Draft4Validator(schema).iter_errors(obj))
+        assert not errors, f"{obj['kind']} {obj['metadata']['name']}: {[e.message for e in errors]}"
+        assert _pruned(obj, schema) == [], f"{obj['kind']} {obj['metadata']['name']}: fields the server drops"
+    served = {"smollm2": "smollm2", "qwen": "qwen-2.5-7b"}
+    for pool in pools:
+        name = pool["metadata"]["name"]
+        # The operator's pod labels and model port (operator/vsurge_operator/manifests.py, spec.py).
+        assert pool["spec"]["selector"]["matchLabels"] == {LABEL_NAME: APP_NAME, LABEL_MODEL: name}
+        assert pool["spec"]["targetPorts"] == [{"number": HTTP_PORT}]
+        assert pool["spec"]["endpointPickerRef"] == {
+            "name": "vsurge-epp",
+            "port": {"number": 9002},
+            "failureMode": "FailOpen",
+        }
+        route = r.get("HTTPRoute", name, namespace=pool["metadata"]["namespace"])
+        (rule,) = route["spec"]["rules"]
+        assert rule["backendRefs"] == [
+            {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": name}
+        ]
+        assert rule["matches"][0]["headers"] == [
+            {"type": "Exact", "name": "X-Gateway-Model-Name", "value": served[name]}
+        ]
+        assert route["spec"]["parentRefs"] == [{"name": "inference-gateway", "sectionName": "http"}]
+    # Control: the released schemas do reject something.
+    broken = copy.deepcopy(pools[0])
+    broken["spec"]["targetPorts"] = [{"number": 0}]
+    assert list(jsonschema.Draft4Validator(pool_schema).iter_errors(broken))
+    # The other scenarios render none.
+    assert not any(renders[n].of_kind("InferencePool") for n in ("defaults", "all-options", "namespaced"))
+
+
 # Fields of the upstream CRDs that the chart sets (Prometheus Operator ServiceMonitor, and Google Cloud Managed
 # Service for Prometheus PodMonitoring / ClusterPodMonitoring), with their types and required keys.
 _DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
@@ -328,7 +397,7 @@ MONITOR_SCHEMAS = {
 
 def test_monitors_valid(rendered: Rendered) -> None:
     monitors = [o for o in rendered.objects if o["kind"] in MONITOR_SCHEMAS]
-    if rendered.name == "defaults":
+    if rendered.name in ("defaults", "gateway"):  # no monitoring asked for
         assert monitors == []
         return
     assert monitors
@@ -546,6 +615,57 @@ def test_router_arguments(renders: dict[str, Rendered]) -> None:
     assert r.get("PodDisruptionBudget", "vsurge-router")["spec"]["maxUnavailable"] == "50%"
 
 
+def test_router_tenants_and_routing(renders: dict[str, Rendered]) -> None:
+    """The gateway scenario's router: routing flags, and the tenants' Secret mounted where --api-keys-file
+    points, holding a file the router's own parser accepts."""
+    from vsurge.router.tenants import parse_api_keys_text
+
+    r = renders["gateway"]
+    c = _container(r, "vsurge-router")
+    assert c["args"] == [
+        "route",
+        "--port=8080",
+        "--routing=prefix",
+        "--prefix-epsilon=0.5",
+        "--api-keys-file=/etc/vsurge-api-keys/api-keys.yaml",
+    ]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "api-keys")
+    assert mount == {"name": "api-keys", "mountPath": "/etc/vsurge-api-keys", "readOnly": True}
+    volume = next(
+        v
+        for v in r.get("Deployment", "vsurge-router")["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "api-keys"
+    )
+    secret = r.get("Secret", volume["secret"]["secretName"])
+    ring = parse_api_keys_text(base64.b64decode(secret["data"]["api-keys.yaml"]).decode())
+    assert set(ring.tenants) == {"team-a", "batch"}
+    assert ring.authenticate("sk-batch-0123456789abcdef").name == "batch"
+    assert ring.tenants["team-a"].models == frozenset({"smollm2"}) and ring.tenants["team-a"].burst == 10
+    # An existing Secret instead: no Secret rendered, the router reads that one.
+    values = load_values("gateway-values.yaml")
+    values["router"]["apiKeys"] = {"existingSecret": "my-keys", "secretKey": "keys.yaml"}
+    other = render(helm_python.Chart.load(CHART_DIR), values, "vsurge-system")
+    assert not other.of_kind("Secret")
+    spec = other.get("Deployment", "vsurge-router")["spec"]["template"]["spec"]
+    assert {"name": "api-keys", "secret": {"secretName": "my-keys", "defaultMode": 0o440}} in spec["volumes"]
+    assert "--api-keys-file=/etc/vsurge-api-keys/keys.yaml" in spec["containers"][0]["args"]
+
+
+def test_router_arguments_parse_with_the_router_cli(renders: dict[str, Rendered]) -> None:
+    import argparse
+
+    from vsurge.router.config import add_arguments, config_from_args
+
+    for name, r in renders.items():
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        cfg = config_from_args(parser.parse_args(_container(r, "vsurge-router")["args"][1:]), {})
+        if name == "gateway":
+            assert (cfg.routing, cfg.prefix_epsilon) == ("prefix", 0.5) and cfg.api_keys_file
+        else:
+            assert (cfg.routing, cfg.prefix_epsilon, cfg.api_keys_file) == (None, 0.25, None)
+
+
 def test_images(renders: dict[str, Rendered]) -> None:
     app = CHART_META["appVersion"]
     d = renders["defaults"]
@@ -725,6 +845,20 @@ WRONG_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"models": [{"name": "smollm2", "spec": "default"}]}, "/models/0/spec"),
     ({"commonLabels": {"team": 7}}, "/commonLabels/team"),
     ({"routr": {}}, "routr"),
+    ({"router": {"routing": "fastest"}}, "/router/routing"),
+    ({"router": {"prefixEpsilon": 0}}, "/router/prefixEpsilon"),
+    ({"router": {"mode": "ingress"}}, "/router/mode"),
+    (
+        {"router": {"apiKeys": {"tenants": [{"name": "a", "keys": ["short"]}]}}},
+        "/router/apiKeys/tenants/0/keys/0",
+    ),
+    ({"router": {"apiKeys": {"tenants": [{"name": "a"}]}}}, "/router/apiKeys/tenants/0"),
+    ({"router": {"gateway": {"parentRefs": []}}}, "/router/gateway/parentRefs"),
+    (
+        {"router": {"gateway": {"endpointPicker": {"failureMode": "Open"}}}},
+        "/router/gateway/endpointPicker/failureMode",
+    ),
+    ({"router": {"gateway": {"models": [{"name": "Qwen"}]}}}, "/router/gateway/models/0/name"),
 ]
 
 
@@ -822,6 +956,23 @@ def test_schema_describes_every_default(chart: helm_python.Chart) -> None:
         ),
         ({"models": [{"name": "m", "spec": {}}, {"name": "m", "spec": {}}]}, "team-a", "listed twice"),
         ({"router": {"enabled": False, "ingress": {"enabled": True}}}, "team-a", "needs router.enabled"),
+        (
+            {
+                "router": {"mode": "gateway", "ingress": {"enabled": True}},
+                "models": [{"name": "m", "spec": {}}],
+            },
+            "team-a",
+            "instead of the router's Ingress",
+        ),
+        ({"router": {"mode": "gateway"}}, "team-a", "renders an InferencePool per model"),
+        (
+            {
+                "router": {"mode": "gateway", "gateway": {"models": [{"name": "m"}]}},
+                "models": [{"name": "m", "spec": {}}],
+            },
+            "team-a",
+            "team-a/m is listed twice",
+        ),
     ],
 )
 def test_inconsistent_values_fail_clearly(

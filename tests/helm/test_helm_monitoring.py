@@ -169,6 +169,8 @@ def test_alerts_use_exported_metrics(renders: dict[str, Rendered], exported) -> 
         "VSurgeTTFTHigh",
         "VSurgeOperatorNotReconciling",
         "VSurgeOperatorReconcileErrors",
+        "VSurgeRouterRetryingOften",
+        "VSurgeRouterPodUnreachable",
     }
     problems = []
     for r in rules:
@@ -179,6 +181,7 @@ def test_alerts_use_exported_metrics(renders: dict[str, Rendered], exported) -> 
     by_name = {r["alert"]: r["expr"] for r in rules}
     assert "> 3" in by_name["VSurgeTTFTHigh"] and "> 0.02" in by_name["VSurgeHighErrorRate"]
     assert "> 16" in by_name["VSurgeQueueGrowing"]
+    assert "> 0.2" in by_name["VSurgeRouterRetryingOften"]
 
 
 def test_the_check_fails_on_a_name_or_label_the_code_does_not_export(exported) -> None:

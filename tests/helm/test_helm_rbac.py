@@ -55,11 +55,13 @@ OPERATOR_FRAMEWORK = _t(
 # kopf's peering: ClusterKopfPeerings when it watches all namespaces, KopfPeerings in each watched one otherwise.
 OPERATOR_CLUSTER_PEERING = _t([("kopf.dev", "clusterkopfpeerings", "get list watch patch")])
 OPERATOR_NAMESPACED_PEERING = _t([("kopf.dev", "kopfpeerings", "get list watch patch")])
-# The router: find the models, and wake a model at zero replicas.
+# The router: find the models and their ready pods (EndpointSlices, nothing more), and wake a model at
+# zero replicas.
 ROUTER = _t(
     [
         ("vsurge.io", "inferencemodels", "list watch"),
         ("vsurge.io", "inferencemodels/scale", "get patch"),
+        ("discovery.k8s.io", "endpointslices", "list watch"),
     ]
 )
 # Added to the built-in admin/edit and view roles for the people who apply models.

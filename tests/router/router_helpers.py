@@ -37,6 +37,20 @@ for extra in (REPO / "tests", REPO / "tests" / "service", REPO / "operator"):
 import kmock_harness  # noqa: E402
 
 
+def load_benchmark(name: str) -> Any:
+    """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    if spec.name in sys.modules:
+        return sys.modules[spec.name]
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def wait_for(
     predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = ""
 ) -> Any:
@@ -92,13 +106,16 @@ class FakeUpstream:
 
     Knobs the tests turn: `status` (answer every request with it, e.g. 503 while "draining"), `gate` (a
     stream sends its first event, then waits for the gate before the rest; a non-streamed answer waits
-    for it before answering). It records every request, how many are open now, and how many ended
-    because the client (the router) went away.
+    for it before answering), `load` (the `GET /load` report; None: no such route, 404), `drop` (send
+    the response headers, then close the connection without a body byte). It records every request, how
+    many are open now, and how many ended because the client (the router) went away.
     """
 
     name: str
     status: int = 200
     gate: threading.Event | None = None
+    load: dict[str, Any] | None = None
+    drop: bool = False
     requests: list[dict[str, Any]] = field(default_factory=list)
     open: int = 0
     cancelled: int = 0
@@ -142,8 +159,9 @@ class FakeUpstream:
             )
         model = payload.get("model")
         if request.url.path == "/v1/chat/completions" and payload.get("stream"):
+            usage = bool((payload.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(
-                self._stream(model), media_type="text/event-stream", headers={"x-upstream": self.name}
+                self._stream(model, usage), media_type="text/event-stream", headers={"x-upstream": self.name}
             )
         self.open += 1
         try:
@@ -176,7 +194,11 @@ class FakeUpstream:
             headers={"x-upstream": self.name},
         )
 
-    async def _stream(self, model: str) -> AsyncIterator[bytes]:
+    async def _stream(self, model: str, include_usage: bool = False) -> AsyncIterator[bytes]:
+        # As vsurge serve streams with stream_options.include_usage: `usage: null` on every chunk, then a
+        # last chunk with empty choices that carries the usage.
+        extra = {"usage": None} if include_usage else {}
+
         def event(content: str, finish: str | None = None) -> bytes:
             chunk = {
                 "id": "chatcmpl-1",
@@ -184,6 +206,7 @@ class FakeUpstream:
                 "created": 1,
                 "model": model,
                 "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+                **extra,
             }
             return f"data: {json.dumps(chunk)}\n\n".encode()
 
@@ -192,6 +215,16 @@ class FakeUpstream:
             yield event(f"first from {self.name}")
             await self._wait_gate()
             yield event(" second", "stop")
+            if include_usage:
+                last = {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 1,
+                    "model": model,
+                    "choices": [],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+                }
+                yield f"data: {json.dumps(last)}\n\n".encode()
             yield b"data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled += 1
@@ -199,9 +232,55 @@ class FakeUpstream:
         finally:
             self.open -= 1
 
-    def app(self) -> Starlette:
+    async def load_route(self, request: Request) -> Response:
+        if self.load is None:
+            return JSONResponse({"detail": "Not Found"}, 404)
+        return JSONResponse(self.load)
+
+    def app(self) -> Any:
         paths = ["/v1/chat/completions", "/v1/completions", "/v1/count_tokens", "/tokenize", "/detokenize"]
-        return Starlette(routes=[Route(p, self.handle, methods=["POST"]) for p in paths])
+        routes = [Route(p, self.handle, methods=["POST"]) for p in paths]
+        inner = Starlette(routes=[*routes, Route("/load", self.load_route, methods=["GET"])])
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and self.drop and scope["path"] != "/load":
+                # Headers out, then the connection goes: the router has not relayed a byte yet.
+                self.requests.append({"path": scope["path"], "headers": {}, "body": {}, "query": ""})
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                raise RuntimeError("dropped on purpose")
+            await inner(scope, receive, send)
+
+        return app
+
+
+def load_report(
+    *,
+    waiting: int = 0,
+    running: int = 0,
+    slots: int = 4,
+    kv: float = 0.0,
+    status: str = "ready",
+    driver: str = "vdriver",
+    model: str = "alpha",
+) -> dict[str, Any]:
+    """A `/load` body as `vsurge serve` writes it (server/load.py)."""
+    per_model = {
+        "driver": driver,
+        "requests_waiting": waiting,
+        "requests_running": running,
+        "slots_used": min(running, slots),
+        "slots_total": slots,
+        "slots_free": max(0, slots - running),
+        "kv_pages_used": None,
+        "kv_pages_total": None,
+        "kv_usage": kv,
+    }
+    return {
+        "server_load": waiting + running,
+        "status": status,
+        **{k: v for k, v in per_model.items() if k != "driver"},
+        "models": {model: per_model},
+    }
 
 
 # ---------------------------------------------------------------------------------- in-process router

@@ -96,6 +96,9 @@ def test_kubernetes_discovery_by_default_unless_only_a_static_file() -> None:
         (["-n", "a", "--all-namespaces"], {}, "exclude each other"),
         (["--no-kubernetes"], {}, "give --static-config"),
         (["-n", "a", "--no-kubernetes", "--static-config", "f"], {}, "--namespace needs Kubernetes"),
+        ([], {"VSURGE_ROUTER_ROUTING": "fastest"}, "VSURGE_ROUTER_ROUTING='fastest': must be one of"),
+        ([], {"VSURGE_ROUTER_PREFIX_EPSILON": "0"}, "VSURGE_ROUTER_PREFIX_EPSILON='0': must be > 0"),
+        ([], {"VSURGE_ROUTER_ENDPOINT_SLICES": "sure"}, "expected true or false"),
     ],
 )
 def test_bad_settings_name_their_source(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -103,8 +106,31 @@ def test_bad_settings_name_their_source(argv: list[str], env: dict[str, str], me
         _config(argv, env)
 
 
+def test_routing_and_tenant_options() -> None:
+    cfg = _config([])
+    assert (cfg.routing, cfg.prefix_epsilon, cfg.max_attempts, cfg.load_poll_seconds) == (None, 0.25, 2, 0.2)
+    assert (cfg.endpoint_slices, cfg.api_keys_file) == (True, None)
+    assert _config(["--routing=auto"]).routing is None
+    assert _config(["--routing", "prefix", "--prefix-epsilon", "0.5"]).prefix_epsilon == 0.5
+    env = {"VSURGE_ROUTER_ROUTING": "round-robin", "VSURGE_ROUTER_ENDPOINT_SLICES": "false"}
+    assert (_config([], env).routing, _config([], env).endpoint_slices) == ("round-robin", False)
+    assert _config(["--routing=least-load", "--endpoint-slices"], env).routing == "least-load"
+    assert _config(["--endpoint-slices"], env).endpoint_slices is True
+    assert _config(["--api-keys-file=/k.yaml", "--load-poll-seconds=0"]).api_keys_file == "/k.yaml"
+
+
 @pytest.mark.parametrize(
-    "flag", ["--port=70000", "--max-attempts=0", "--log-level=loud", "--eject-seconds=-1"]
+    "flag",
+    [
+        "--port=70000",
+        "--max-attempts=0",
+        "--log-level=loud",
+        "--eject-seconds=-1",
+        "--routing=fast",
+        "--prefix-block-bytes=8",
+        "--prefix-key-blocks=0",
+        "--load-poll-seconds=-1",
+    ],
 )
 def test_bad_flags_are_usage_errors(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
@@ -121,6 +147,25 @@ def test_run_route_refuses_a_bad_static_file_and_a_missing_cluster(
     assert run_route(parser.parse_args(["route", f"--static-config={bad}"])) == 2
     err = capsys.readouterr().err
     assert "static.yaml: models[0] (a).upstreams[0]" in err and "not an http(s) URL" in err
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants:\n  - name: a\n    keys: [sk-too-short]\n")
+    good = tmp_path / "good.yaml"
+    good.write_text("models: []\n")
+    assert (
+        run_route(
+            parser.parse_args(
+                [
+                    "route",
+                    "--no-kubernetes",
+                    f"--static-config={good}",
+                    f"--api-keys-file={keys}",
+                ]
+            )
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "keys.yaml: tenants[0] (a).keys[0]: a key must be at least 16" in err and "sk-too-short" not in err
 
     for name in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
         monkeypatch.delenv(name, raising=False)

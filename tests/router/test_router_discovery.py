@@ -10,7 +10,7 @@ from router_helpers import inference_model
 
 from vsurge.router.kube import backend_from_object, group_for
 from vsurge.router.static import StaticConfigError, StaticDiscovery, load_static_config, parse_static_config
-from vsurge.router.table import Backend, EndpointTable, ModelView, WakeTarget, normalize_upstream
+from vsurge.router.table import Backend, EndpointTable, ModelView, ServiceRef, WakeTarget, normalize_upstream
 from vsurge.router.wake import can_become_ready, wake_target
 
 # ------------------------------------------------------------------------------------------ static
@@ -133,6 +133,7 @@ def test_inference_model_becomes_a_backend() -> None:
         wake=WakeTarget("models", "llama-3"),
         desired_replicas=2,
         created=1735787045,
+        service=ServiceRef("models", "llama-3"),  # the operator names the Service after the model
     )
     # Default served name; not ready -> no upstream even with an endpoint; status.desiredReplicas as fallback.
     obj = inference_model("qwen", replicas=None, ready=0, endpoint="http://qwen.models.svc:11556")

@@ -15,9 +15,11 @@ import openai
 import pytest
 import yaml
 from kmock_harness import LoggedProcess, free_port
-from router_helpers import clean_env, metric_value, vsurge_command
+from router_helpers import clean_env, load_benchmark, metric_value, vsurge_command
 
-ENGINE_FLAGS = ["--max-length=64", "--prefill-lengths=16,32", "--max-concurrent-decodes=4"]
+# The paged engine with the flags of benchmarks/router_prefix.py, as test_router_e2e_pods.py runs it: the
+# JAX compilation cache compiles these shapes once for both files.
+ENGINE_FLAGS = load_benchmark("router_prefix").SERVE_FLAGS
 
 
 @dataclass
@@ -85,6 +87,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "--host=127.0.0.1",
                 f"--port={port}",
                 "--eject-seconds=60",
+                # No /load polling: the killed replica must be found by a failed request (the retry path),
+                # and idle replicas compared by in-flight counts alone take turns.
+                "--load-poll-seconds=0",
             ],
             root / "router.log",
             clean_env(),

@@ -134,7 +134,8 @@ def test_the_least_loaded_replica_gets_the_next_request(upstreams, start_router)
 def test_a_refused_connection_is_retried_on_another_replica(upstreams, start_router) -> None:
     a = upstreams("a")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
-    router = start_router({"alpha": [dead, a.url]})
+    # No /load polling: the first request must find out the hard way (the next test polls).
+    router = start_router({"alpha": [dead, a.url]}, load_poll_seconds=0)
     with httpx.Client(timeout=10) as http:
         for _ in range(4):
             r = http.post(f"{router.url}/v1/chat/completions", json=_chat("alpha"))

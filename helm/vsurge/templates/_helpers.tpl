@@ -230,7 +230,8 @@ Operator RBAC, one rule per (apiGroup, resource) so that it reads as the table t
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 
-{{/* The router: find the models, and wake a model at zero replicas through its scale subresource. */}}
+{{/* The router: find the models and their ready pods (the EndpointSlices of their Services), and wake a
+model at zero replicas through its scale subresource. */}}
 {{- define "vsurge.router.rules" -}}
 - apiGroups: ["vsurge.io"]
   resources: ["inferencemodels"]
@@ -238,6 +239,16 @@ Operator RBAC, one rule per (apiGroup, resource) so that it reads as the table t
 - apiGroups: ["vsurge.io"]
   resources: ["inferencemodels/scale"]
   verbs: ["get", "patch"]
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["list", "watch"]
+{{- end }}
+
+{{/* The Secret with the router's API keys file: an existing one, the chart's, or none (empty). */}}
+{{- define "vsurge.router.apiKeysSecret" -}}
+{{- with .Values.router.apiKeys }}
+{{- if .existingSecret }}{{ .existingSecret }}{{ else if .tenants }}{{ printf "%s-api-keys" (include "vsurge.router.fullname" $) | trunc 63 | trimSuffix "-" }}{{ end }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -256,5 +267,20 @@ Checks of values that the schema cannot express. Rendered from templates/validat
 {{- end }}
 {{- if and .Values.router.ingress.enabled (not .Values.router.enabled) }}
 {{- fail "router.ingress.enabled needs router.enabled" }}
+{{- end }}
+{{- if and (eq .Values.router.mode "gateway") .Values.router.ingress.enabled }}
+{{- fail "router.mode gateway routes clients through your Gateway instead of the router's Ingress: set router.ingress.enabled to false" }}
+{{- end }}
+{{- if and (eq .Values.router.mode "gateway") (not .Values.models) (not .Values.router.gateway.models) }}
+{{- fail "router.mode gateway renders an InferencePool per model: list models, or router.gateway.models" }}
+{{- end }}
+{{- $pools := list }}
+{{- range .Values.models }}{{ $pools = append $pools (printf "%s/%s" $.Release.Namespace .name) }}{{ end }}
+{{- range .Values.router.gateway.models }}
+{{- $key := printf "%s/%s" (.namespace | default $.Release.Namespace) .name }}
+{{- if has $key $pools }}
+{{- fail (printf "router.gateway.models: %s is listed twice (chart models get a pool already)" $key) }}
+{{- end }}
+{{- $pools = append $pools $key }}
 {{- end }}
 {{- end }}

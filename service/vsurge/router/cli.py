@@ -57,13 +57,17 @@ def run_route(args: argparse.Namespace) -> int:
 
     from .app import build_app
     from .static import StaticConfigError, load_static_config
+    from .tenants import ApiKeysError, load_api_keys
 
-    if cfg.static_config:
-        try:
-            load_static_config(cfg.static_config)  # fail here, with the file's problem, not in the lifespan
-        except StaticConfigError as e:
-            print(f"vsurge route: {e}", file=sys.stderr)
-            return 2
+    # Fail here, with the file's problem, not in the lifespan.
+    try:
+        if cfg.static_config:
+            load_static_config(cfg.static_config)
+        if cfg.api_keys_file:
+            load_api_keys(cfg.api_keys_file)
+    except (StaticConfigError, ApiKeysError) as e:
+        print(f"vsurge route: {e}", file=sys.stderr)
+        return 2
     try:
         app = build_app(cfg)
     except Exception as e:

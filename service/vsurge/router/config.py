@@ -29,12 +29,21 @@ class RouterConfig:
     retry_after_seconds: float = 5.0
     connect_timeout_seconds: float = 5.0
     eject_seconds: float = 10.0
-    max_attempts: int = 3
+    max_attempts: int = 2  # one retry on another pod
     max_body_bytes: int = 8 * 1024 * 1024
     static_reload_seconds: float = 5.0
     watch_timeout_seconds: int = 300
     drain_timeout_seconds: float = 55.0  # under the chart's terminationGracePeriodSeconds (60)
     log_level: str = "info"
+    routing: str | None = None  # None: auto (prefix where the pods report odriver, else least-load)
+    prefix_epsilon: float = 0.25
+    prefix_block_bytes: int = 256
+    prefix_key_blocks: int = 4
+    prefix_index_size: int = 65536
+    load_poll_seconds: float = 0.2
+    endpoint_slices: bool = True
+    api_keys_file: str | None = None
+    api_keys_reload_seconds: float = 5.0
 
     @property
     def use_kubernetes(self) -> bool:
@@ -82,6 +91,15 @@ def _bool(text: str) -> bool:
 
 def _namespaces(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+
+
+def _routing(text: str) -> str | None:
+    t = text.strip().lower()
+    if t == "auto":
+        return None
+    if t not in ("least-load", "prefix", "round-robin"):
+        raise ValueError(f"must be one of least-load, prefix, round-robin, auto, got {text!r}")
+    return t
 
 
 def _log_level(text: str) -> str:
@@ -137,6 +155,45 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("--drain-timeout-seconds", _float(0), "on SIGTERM, how long open requests may finish", "S"),
     Option("--log-level", _log_level, "critical, error, warning, info or debug", "LEVEL"),
+    Option(
+        "--routing",
+        _routing,
+        "how a model's pod is picked: least-load, prefix (prefix-cache affinity with bounded load), "
+        "round-robin, or auto: prefix for models whose pods run the paged odriver, else least-load",
+        "POLICY",
+    ),
+    Option(
+        "--prefix-epsilon",
+        _float(0, strict=True),
+        "prefix routing: no pod gets more than (1 + EPS) x the mean load",
+        "EPS",
+    ),
+    Option("--prefix-block-bytes", _int(16), "prefix routing: bytes of prompt per hashed block", "N"),
+    Option(
+        "--prefix-key-blocks",
+        _int(1),
+        "prefix routing: leading blocks that place a prompt on the hash ring",
+        "N",
+    ),
+    Option(
+        "--prefix-index-size",
+        _int(1),
+        "prefix routing: block hashes remembered per model (which pod got them last)",
+        "N",
+    ),
+    Option(
+        "--load-poll-seconds",
+        _float(0),
+        "how often each pod's GET /load is polled (0: never; pods are then compared by in-flight counts)",
+        "S",
+    ),
+    Option(
+        "--api-keys-file",
+        str,
+        "YAML file of tenants, their API keys, limits and models (see README); without it the router is open",
+        "FILE",
+    ),
+    Option("--api-keys-reload-seconds", _float(0), "how often the API keys file is re-read (0: never)", "S"),
 )
 
 
@@ -171,6 +228,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="discover InferenceModels from the Kubernetes API (default: yes, unless only --static-config "
         "is given) [env VSURGE_ROUTER_KUBERNETES]",
     )
+    parser.add_argument(
+        "--endpoint-slices",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="in Kubernetes, send requests to the ready pods of each model's Service, from its "
+        "EndpointSlices (default: yes; no: to the Service) [env VSURGE_ROUTER_ENDPOINT_SLICES]",
+    )
     add_env_arguments(parser, OPTIONS, _default)
 
 
@@ -189,6 +253,10 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> RouterCo
         kubernetes = True
     values["namespaces"] = namespaces
     values["kubernetes"] = kubernetes
+    slices = getattr(ns, "endpoint_slices", None)
+    if slices is None and env.get("VSURGE_ROUTER_ENDPOINT_SLICES", ""):
+        slices = parse_env("VSURGE_ROUTER_ENDPOINT_SLICES", env, _bool, RouteConfigError)
+    values["endpoint_slices"] = True if slices is None else slices
     cfg = RouterConfig(**values)
     if not cfg.use_kubernetes and not cfg.static_config:
         raise RouteConfigError(

@@ -39,3 +39,36 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def unavailable(message: str, code: str, retry_after: float) -> JSONResponse:
     # 503 with Retry-After: the openai client (and most HTTP clients) retry these after the delay.
     return error_response(503, message, type_="server_error", code=code, retry_after=retry_after)
+
+
+def model_not_found_for_tenant(model: str) -> JSONResponse:
+    # The same answer whether the model is unknown or only not allowed: a tenant learns nothing about
+    # models outside its list.
+    return error_response(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def unauthorized(missing: bool) -> JSONResponse:
+    """401 as OpenAI words it; never echoes the key."""
+    if missing:
+        message = (
+            "You didn't provide an API key. You need to provide your API key in an Authorization header "
+            "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+        )
+        response = error_response(401, message, code=None)
+    else:
+        response = error_response(401, "Incorrect API key provided.", code="invalid_api_key")
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+def rate_limited(message: str, limit: str, retry_after: float, headers: dict[str, str]) -> JSONResponse:
+    """429 with Retry-After; `type` is the limit hit (requests or tokens), as OpenAI sends it."""
+    response = error_response(429, message, type_=limit, code="rate_limit_exceeded", retry_after=retry_after)
+    for k, v in headers.items():
+        response.headers[k] = v
+    return response

@@ -1,16 +1,11 @@
 """Discovery from the Kubernetes API: InferenceModels (vsurge.io/v1alpha1), listed then watched.
 
 An InferenceModel becomes one `Backend`: its served name (`spec.model.servedName`, default the object's
-name), its upstream (`status.endpoint`, the model's Service, written by the operator) when
-`status.readyReplicas` > 0, and a wake target (the object itself, for its scale subresource). The router
-sees the Service, not the pods: kube-proxy spreads connections over the ready pods, and the router's RBAC
-stays at list/watch on inferencemodels and get/patch on inferencemodels/scale.
-
-The official client is synchronous, so each watched namespace (or the whole cluster) gets a daemon thread
-running list -> watch from that resourceVersion -> relist when the watch ends (the server closes it every
-`watch_timeout_seconds`, or it fails, e.g. 410 Gone). A full relist each cycle costs one small request
-and repairs anything a broken watch missed. Updates reach the table on the event loop through
-`call_soon_threadsafe`. The scale patch runs in a worker thread.
+name), its Service (named after the object, in its namespace: the EndpointSlice watch in slices.py turns
+it into the ready pods), its fallback upstream (`status.endpoint`, the Service URL, used only until the
+EndpointSlices of its namespace are known) when `status.readyReplicas` > 0, and a wake target (the
+object itself, for its scale subresource). The list + watch threads are watching.ListWatcher's; the
+scale patch runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -18,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .table import Backend, EndpointTable, UpstreamURLError, WakeTarget, normalize_upstream
+from .table import Backend, EndpointTable, ServiceRef, UpstreamURLError, WakeTarget, normalize_upstream
+from .watching import ListWatcher, Post
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +87,8 @@ def backend_from_object(obj: Mapping[str, Any], group: str) -> Backend | None:
         wake=WakeTarget(namespace, name),
         desired_replicas=desired,
         created=_epoch(meta.get("creationTimestamp")),
+        # The operator names the model's Service after the InferenceModel (operator manifests.service).
+        service=ServiceRef(namespace, name),
     )
 
 
@@ -117,122 +114,43 @@ def load_api_client() -> Any:
     return client
 
 
-class KubeDiscovery:
+class KubeDiscovery(ListWatcher):
     """List + watch InferenceModels in `namespaces` (empty: all), one daemon thread per watch."""
 
-    def __init__(
-        self,
-        api_client: Any,
-        namespaces: Sequence[str] = (),
-        *,
-        watch_timeout_seconds: int = 300,
-        connect_timeout: float = 10.0,
-        max_backoff: float = 30.0,
-    ) -> None:
+    what = "InferenceModel"
+
+    def __init__(self, api_client: Any, namespaces: Sequence[str] = (), **kwargs: Any) -> None:
         import kubernetes
 
+        super().__init__(namespaces, **kwargs)
         self.api = kubernetes.client.CustomObjectsApi(api_client)
-        self.namespaces: list[str | None] = list(dict.fromkeys(namespaces)) or [None]
-        self.watch_timeout_seconds = watch_timeout_seconds
-        self.connect_timeout = connect_timeout
-        self.max_backoff = max_backoff
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._watches: list[Any] = []
 
-    async def start(self, table: EndpointTable) -> None:
-        loop = asyncio.get_running_loop()
-
-        def post(fn: Callable[..., None], *args: Any) -> None:
-            loop.call_soon_threadsafe(fn, *args)
-
-        for ns in self.namespaces:
-            table.expect(group_for(ns))
-            t = threading.Thread(
-                target=self._run,
-                args=(ns, table, post),
-                name=f"vsurge-router-watch-{ns or 'all'}",
-                daemon=True,
-            )
-            self._threads.append(t)
-            t.start()
-
-    async def stop(self) -> None:
-        # The threads may sit in a blocking read; they are daemons and stop at their next event or timeout.
-        self._stop.set()
-        for w in list(self._watches):
-            w.stop()
-
-    # -- the loop of one thread
-
-    def _list_call(self, namespace: str | None) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    def list_call(self, namespace: str | None) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
         if namespace is None:
-            return self.api.list_cluster_custom_object, (API_GROUP, API_VERSION, PLURAL)
-        return self.api.list_namespaced_custom_object, (API_GROUP, API_VERSION, namespace, PLURAL)
+            return self.api.list_cluster_custom_object, (API_GROUP, API_VERSION, PLURAL), {}
+        return self.api.list_namespaced_custom_object, (API_GROUP, API_VERSION, namespace, PLURAL), {}
 
-    def _run(self, namespace: str | None, table: EndpointTable, post: Callable[..., None]) -> None:
-        group = group_for(namespace)
-        backoff = 0.5
-        while not self._stop.is_set():
-            try:
-                fn, args = self._list_call(namespace)
-                listing = fn(*args, _request_timeout=(self.connect_timeout, 30))
-                items = listing.get("items") or []
-                backends = [b for b in (backend_from_object(o, group) for o in items) if b is not None]
-                post(table.replace_group, group, backends)
-                rv = (listing.get("metadata") or {}).get("resourceVersion")
-                backoff = 0.5
-                self._watch(namespace, group, rv, table, post)
-            except Exception as e:  # any failure: log, back off, relist; discovery must not die
-                if self._stop.is_set():
-                    break
-                log.warning("InferenceModel watch (%s) failed: %s; relisting in %.1fs", group, e, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, self.max_backoff)
-            except BaseException:  # interpreter shutdown
-                break
+    def on_start(self, namespace: str | None, table: EndpointTable) -> None:
+        table.expect(group_for(namespace))
 
-    def _watch(
-        self,
-        namespace: str | None,
-        group: str,
-        rv: str | None,
-        table: EndpointTable,
-        post: Callable[..., None],
+    def on_list(
+        self, namespace: str | None, items: list[dict[str, Any]], table: EndpointTable, post: Post
     ) -> None:
-        import kubernetes
+        group = group_for(namespace)
+        backends = [b for b in (backend_from_object(o, group) for o in items) if b is not None]
+        post(table.replace_group, group, backends)
 
-        fn, args = self._list_call(namespace)
-        w = kubernetes.watch.Watch()
-        self._watches.append(w)
-        kwargs: dict[str, Any] = {
-            "timeout_seconds": self.watch_timeout_seconds,
-            "allow_watch_bookmarks": True,
-            # Read timeout past the server-side timeout: a silent, half-open connection ends too.
-            "_request_timeout": (self.connect_timeout, self.watch_timeout_seconds + 30),
-        }
-        if rv:
-            kwargs["resource_version"] = rv
-        try:
-            for event in w.stream(fn, *args, **kwargs):
-                if self._stop.is_set():
-                    break
-                if not isinstance(event, dict):
-                    continue
-                obj = event.get("raw_object") or event.get("object") or {}
-                kind = event.get("type")
-                if kind in ("ADDED", "MODIFIED"):
-                    backend = backend_from_object(obj, group)
-                    if backend is not None:
-                        post(table.upsert, backend)
-                        continue
-                if kind in ("ADDED", "MODIFIED", "DELETED"):
-                    meta = obj.get("metadata") or {}
-                    if meta.get("name") and meta.get("namespace"):
-                        post(table.remove, backend_key(meta["namespace"], meta["name"]))
-        finally:
-            w.stop()
-            self._watches.remove(w)
+    def on_event(
+        self, namespace: str | None, kind: str, obj: dict[str, Any], table: EndpointTable, post: Post
+    ) -> None:
+        if kind in ("ADDED", "MODIFIED"):
+            backend = backend_from_object(obj, group_for(namespace))
+            if backend is not None:
+                post(table.upsert, backend)
+                return
+        meta = obj.get("metadata") or {}
+        if meta.get("name") and meta.get("namespace"):
+            post(table.remove, backend_key(meta["namespace"], meta["name"]))
 
 
 class KubeScaler:

@@ -95,6 +95,44 @@ class RouterMetrics:
             ["model", "outcome"],
             registry=r,
         )
+        self.picks = Counter(
+            "vsurge_router_picks",
+            "Pods picked, by routing policy and how: prefix_match (the pod that served the prompt's longest "
+            "prefix), prefix_hash (the prefix's place on the bounded-load ring), least_load, round_robin",
+            ["model", "policy", "how"],
+            registry=r,
+        )
+        self.load_polls = Counter(
+            "vsurge_router_load_polls",
+            "GET /load polls of the pods, by outcome: ok, unreachable, error, not_a_report",
+            ["outcome"],
+            registry=r,
+        )
+        # Tenants (--api-keys-file): the tenant label only takes names from that file.
+        self.tenant_requests = Counter(
+            "vsurge_router_tenant_requests",
+            "Requests of each tenant, by model and HTTP status (429: over a limit)",
+            ["tenant", "model", "code"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "vsurge_router_tenant_tokens",
+            "Tokens each tenant used, from the answers' usage: prompt or completion",
+            ["tenant", "model", "kind"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "vsurge_router_rate_limited",
+            "Requests refused with 429 by a tenant's limit: requests (per second) or tokens (per minute)",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "vsurge_router_auth_failures",
+            "Requests refused with 401: missing or invalid API key",
+            ["reason"],
+            registry=r,
+        )
         self._table = table
         r.register(_TableCollector(lambda: self._table))
 

@@ -1,28 +1,35 @@
-"""Forwarding one request to an upstream, and streaming its answer back unbuffered.
+"""Forwarding one request to a pod, and streaming its answer back unbuffered.
 
-The request goes to the upstream with the fewest requests in flight. If that upstream cannot be reached
-(connection refused, connect timeout, the connection dropped before any response) it is ejected for a
-few seconds and the request goes to the next one: nothing has been sent to the client yet, and a
-generation has no side effects, so a retry is safe. An upstream answering 503 (starting or draining, it
-says so with Retry-After) is skipped the same way while another one is left. Once response headers
-arrived, the answer is the client's: the body is relayed chunk by chunk as it arrives (`aiter_raw`, no
-re-encoding), so server-sent events pass through as they are produced. End-to-end headers
-(`Authorization`, `traceparent`, `tracestate`, `baggage`, ...) go through untouched; hop-by-hop ones
-(RFC 9110 section 7.6.1) do not.
+The picker (picker.py) chooses the pod for each attempt. An attempt that did not reach the model is
+retried on another pod, once by default (`--max-attempts 2`): the connection was refused or timed out,
+it dropped before the first byte of the answer, or the pod answered 503 (starting or draining, with
+Retry-After) or 429 (its queue is full). Nothing has reached the client then: the router holds the
+response until the upstream's first body bytes arrived (a non-streamed answer is one piece; a stream's
+first event comes with the first token), and the request body is buffered, so the retry sends the same
+bytes. A generation has no side effects, so a retry after a half-done generation is safe. Once a byte
+was relayed nothing is retried. A refused or dropped pod, and one answering 503, is ejected for a few
+seconds; a 429 is not (the pod is busy, not gone).
+
+The answer is relayed chunk by chunk as it arrives (`aiter_raw`, no re-encoding), so server-sent events
+pass through as they are produced. End-to-end headers (`Authorization` unless the router checks API keys
+itself, `traceparent`, `tracestate`, `baggage`, ...) go through; hop-by-hop ones (RFC 9110 section 7.6.1)
+do not.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from .metrics import RouterMetrics
-from .picking import LoadTracker
+from .picker import Decision, Picker
+from .usage import UsageScanner
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +91,57 @@ def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     return [(k.lower(), v) for k, v in raw if k.decode("latin-1").lower() not in drop]
 
 
+async def _relay(
+    first: bytes, rest: AsyncIterator[bytes], scanner: UsageScanner | None
+) -> AsyncIterator[bytes]:
+    if scanner is None:
+        if first:
+            yield first
+        async for chunk in rest:
+            yield chunk
+        return
+    out = scanner.feed(first) if first else b""
+    if out:
+        yield out
+    async for chunk in rest:
+        out = scanner.feed(chunk)
+        if out:
+            yield out
+    out = scanner.finish()
+    if out:
+        yield out
+
+
 class ProxiedResponse(StreamingResponse):
     """Relays an open upstream response; closes it (and runs `on_close`) however the relay ends.
 
-    Starlette's StreamingResponse stops relaying when the client disconnects; closing the upstream
-    response then drops that connection, which the vSurge server sees as a disconnect and frees the slot.
+    `first` is the body's first chunk, already read (see the module docstring); `scanner` watches the
+    bytes for token usage. Starlette's StreamingResponse stops relaying when the client disconnects;
+    closing the upstream response then drops that connection, which the vSurge server sees as a
+    disconnect and frees the slot.
     """
 
-    def __init__(self, upstream: httpx.Response, upstream_url: str, on_close: Callable[[], None]) -> None:
-        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code)
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        upstream_url: str,
+        on_close: Callable[[], None],
+        *,
+        first: bytes = b"",
+        rest: AsyncIterator[bytes] | None = None,
+        scanner: UsageScanner | None = None,
+    ) -> None:
+        body = _relay(first, rest if rest is not None else upstream.aiter_raw(), scanner)
+        super().__init__(body, status_code=upstream.status_code)
         self.raw_headers = response_headers(upstream.headers.raw)
+        if scanner is not None and scanner.strip:
+            # Taking the usage frame out changes the length; a stream has none, but be sure.
+            self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.upstream = upstream
         self.upstream_url = upstream_url
+        self.scanner = scanner
+        self.attempts: list[Attempt] = []
+        self.decision: Decision | None = None
         self._on_close: list[Callable[[], None]] = [on_close]
         self._closed = False
 
@@ -126,15 +172,43 @@ class ProxiedResponse(StreamingResponse):
 class NoUpstreamAvailable(Exception):
     """Every upstream tried failed before answering."""
 
+    def __init__(self, message: str, attempts: list[Attempt]) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of a request: the pod, and what ended it (`ok`, or why the next one was made)."""
+
+    upstream: str
+    outcome: str  # ok, connect_error, dropped, unavailable (503), busy (429)
+
+
+RETRY_STATUSES = {503: "unavailable", 429: "busy"}
+
 
 class Forwarder:
     def __init__(
-        self, client: httpx.AsyncClient, tracker: LoadTracker, metrics: RouterMetrics, max_attempts: int = 3
+        self,
+        client: httpx.AsyncClient,
+        picker: Picker,
+        metrics: RouterMetrics,
+        max_attempts: int = 2,
     ) -> None:
         self.client = client
-        self.tracker = tracker
+        self.picker = picker
+        self.tracker = picker.tracker
         self.metrics = metrics
         self.max_attempts = max(1, max_attempts)
+
+    def _build(self, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes) -> httpx.Request:
+        request = self.client.build_request(method, url, headers=list(headers), content=body)
+        sent = {k.lower() for k, _ in headers}
+        for name in _CLIENT_DEFAULTS:
+            if name not in sent:
+                request.headers.pop(name, None)
+        return request
 
     async def forward(
         self,
@@ -145,54 +219,93 @@ class Forwarder:
         query: str,
         headers: Sequence[tuple[str, str]],
         body: bytes,
+        *,
+        hashes: Sequence[bytes] = (),
+        scanner: UsageScanner | None = None,
     ) -> ProxiedResponse:
-        """Send to the least-loaded upstream, retrying elsewhere; the response is open (stream it)."""
+        """Send to the pod the picker chooses, retrying elsewhere; the response is open (stream it)."""
         tried: list[str] = []
-        failures: list[str] = []
+        attempts: list[Attempt] = []
         for attempt in range(self.max_attempts):
-            upstream = self.tracker.pick(upstreams, exclude=tried)
-            if upstream is None:
+            decision = self.picker.pick(model, upstreams, hashes, exclude=tried)
+            if decision is None:
                 break
+            upstream = decision.upstream
             tried.append(upstream)
+            self.metrics.picks.labels(model, decision.policy, decision.how).inc()
             url = f"{upstream}{path}" + (f"?{query}" if query else "")
             self.tracker.acquire(upstream)
             started = time.perf_counter()
+            last = attempt + 1 == self.max_attempts or len(tried) >= len(set(upstreams))
             try:
-                request = self.client.build_request(method, url, headers=list(headers), content=body)
-                sent = {k.lower() for k, _ in headers}
-                for name in _CLIENT_DEFAULTS:
-                    if name not in sent:
-                        request.headers.pop(name, None)
-                response = await self.client.send(request, stream=True)
+                response = await self.client.send(self._build(method, url, headers, body), stream=True)
             except (*CONNECT_ERRORS, *DROPPED_ERRORS) as e:
-                self.tracker.release(upstream)
-                self.tracker.eject(upstream)
                 outcome = "connect_error" if isinstance(e, CONNECT_ERRORS) else "dropped"
-                self.metrics.upstream_requests.labels(model, upstream, outcome).inc()
-                failures.append(f"{upstream}: {type(e).__name__}")
-                log.warning(
-                    "model %s: upstream %s failed (%s: %s); ejected", model, upstream, type(e).__name__, e
-                )
-                if attempt + 1 < self.max_attempts and len(tried) < len(upstreams):
-                    self.metrics.retries.labels(model, outcome).inc()
+                self._failed(model, upstream, outcome, e, retry=not last)
+                attempts.append(Attempt(upstream, outcome))
                 continue
             except BaseException:  # cancelled (the client left) or a bug: the slot count must stay right
                 self.tracker.release(upstream)
                 raise
             self.metrics.upstream_latency.labels(model).observe(time.perf_counter() - started)
-            self.metrics.upstream_requests.labels(model, upstream, str(response.status_code)).inc()
-            if (
-                response.status_code == 503
-                and attempt + 1 < self.max_attempts
-                and len(tried) < len(upstreams)
-            ):
+            status = response.status_code
+            reason = RETRY_STATUSES.get(status)
+            if reason is not None and not last:
                 await response.aclose()
                 self.tracker.release(upstream)
-                self.tracker.eject(upstream)
-                self.metrics.retries.labels(model, "unavailable").inc()
-                failures.append(f"{upstream}: 503")
+                if status == 503:
+                    self.tracker.eject(upstream)
+                self.metrics.upstream_requests.labels(model, upstream, str(status)).inc()
+                self.metrics.retries.labels(model, reason).inc()
+                attempts.append(Attempt(upstream, reason))
                 continue
-            if response.status_code != 503:
+            rest = response.aiter_raw()
+            try:
+                first = await _first_chunk(rest)
+            except DROPPED_ERRORS as e:
+                await response.aclose()
+                self._failed(model, upstream, "dropped", e, retry=not last)
+                attempts.append(Attempt(upstream, "dropped"))
+                continue
+            except BaseException:
+                await response.aclose()
+                self.tracker.release(upstream)
+                raise
+            self.metrics.upstream_requests.labels(model, upstream, str(status)).inc()
+            if status != 503:
                 self.tracker.reinstate(upstream)
-            return ProxiedResponse(response, upstream, on_close=lambda u=upstream: self.tracker.release(u))
-        raise NoUpstreamAvailable("; ".join(failures) or "no upstream")
+            attempts.append(Attempt(upstream, "ok"))
+            proxied = ProxiedResponse(
+                response,
+                upstream,
+                on_close=lambda u=upstream: self.tracker.release(u),
+                first=first,
+                rest=rest,
+                scanner=scanner,
+            )
+            proxied.attempts = attempts
+            proxied.decision = decision
+            return proxied
+        failures = "; ".join(f"{a.upstream}: {a.outcome}" for a in attempts)
+        raise NoUpstreamAvailable(failures or "no upstream", attempts)
+
+    def _failed(self, model: str, upstream: str, outcome: str, error: BaseException, *, retry: bool) -> None:
+        self.tracker.release(upstream)
+        self.tracker.eject(upstream)
+        self.metrics.upstream_requests.labels(model, upstream, outcome).inc()
+        log.warning(
+            "model %s: upstream %s failed (%s: %s); ejected", model, upstream, type(error).__name__, error
+        )
+        if retry:
+            self.metrics.retries.labels(model, outcome).inc()
+
+
+async def _first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
+    """The body's first non-empty chunk (b"" for an empty body); the iterator stays open for the rest."""
+    while True:
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            return b""
+        if chunk:
+            return chunk

@@ -5,6 +5,16 @@ Each source (the static file, one Kubernetes watch per namespace) publishes `Bac
 backends may serve one served name (the same `servedName` in two namespaces, or a static entry and an
 InferenceModel): their upstreams are pooled as replicas of one model.
 
+Pods: an InferenceModel's backend names its Service (`service`). The EndpointSlice watch publishes the
+ready pod addresses of each Service (`replace_slices` / `upsert_slice` / `remove_slice`); once a slice of
+a backend's Service is known, its upstreams are that Service's ready pods, and requests go to pods
+directly. Until then (or when the router may not list EndpointSlices) the backend's own upstreams stand
+in: the Service URL from `status.endpoint`.
+
+Aliases (`set_aliases`) let a source name models that are served by another model's pods, e.g. a LoRA
+adapter loaded on a base model's replicas: `lookup(alias)` answers with the base model's backends and
+pods under the alias's name, and the request keeps the alias as its `model`.
+
 The table lives on the event loop; threads (the Kubernetes watch) hand it updates through
 `loop.call_soon_threadsafe`. Every change sets an `asyncio.Event`, which is what requests held for a
 model that is waking up wait on.
@@ -52,6 +62,14 @@ class WakeTarget:
 
 
 @dataclass(frozen=True)
+class ServiceRef:
+    """The Kubernetes Service whose EndpointSlices list a backend's pods."""
+
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True)
 class Backend:
     """One source's view of one served model.
 
@@ -66,22 +84,19 @@ class Backend:
     wake: WakeTarget | None = None
     desired_replicas: int | None = None
     created: int = 0
+    service: ServiceRef | None = None
 
 
 @dataclass(frozen=True)
 class ModelView:
-    """Everything the table knows about one served name."""
+    """Everything the table knows about one served name: its backends and their ready upstreams (pods
+    where the EndpointSlices are known, else the backends' own URLs). `base` is the model whose pods
+    serve an alias (None for a model itself)."""
 
     name: str
     backends: tuple[Backend, ...]
-
-    @property
-    def upstreams(self) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for b in self.backends:
-            for u in b.upstreams:
-                seen.setdefault(u, None)
-        return tuple(seen)
+    upstreams: tuple[str, ...] = ()
+    base: str | None = None
 
     @property
     def created(self) -> int:
@@ -93,6 +108,10 @@ class EndpointTable:
 
     def __init__(self) -> None:
         self._backends: dict[str, Backend] = {}
+        # EndpointSlice group (one per watched namespace, or "*") -> slice key -> (its Service, ready pods)
+        self._slices: dict[str, dict[str, tuple[ServiceRef, tuple[str, ...]]]] = {}
+        self._slice_scopes: dict[str, str | None] = {}  # group -> its namespace (None: all)
+        self._aliases: dict[str, dict[str, str]] = {}  # group -> alias -> base model
         self._expected: set[str] = set()
         self._synced: set[str] = set()
         self._changed = asyncio.Event()
@@ -127,13 +146,77 @@ class EndpointTable:
     def synced(self) -> bool:
         return self._expected <= self._synced
 
+    # -- EndpointSlices
+
+    def replace_slices(
+        self, group: str, namespace: str | None, slices: dict[str, tuple[ServiceRef, tuple[str, ...]]]
+    ) -> None:
+        """Every EndpointSlice of `namespace` (None: all namespaces) after a list."""
+        self._slices[group] = dict(slices)
+        self._slice_scopes[group] = namespace
+        self._notify()
+
+    def upsert_slice(self, group: str, key: str, service: ServiceRef, upstreams: tuple[str, ...]) -> None:
+        slices = self._slices.setdefault(group, {})
+        if slices.get(key) == (service, upstreams):
+            return
+        slices[key] = (service, upstreams)
+        self._notify()
+
+    def remove_slice(self, group: str, key: str) -> None:
+        if self._slices.get(group, {}).pop(key, None) is not None:
+            self._notify()
+
+    def forget_slices(self, group: str) -> None:
+        """The group can no longer list slices (e.g. forbidden): its backends fall back to Services."""
+        if self._slices.pop(group, None) is not None or self._slice_scopes.pop(group, None) is not None:
+            self._notify()
+
+    def pods_of(self, service: ServiceRef) -> tuple[str, ...] | None:
+        """The ready pods of `service`, or None when no EndpointSlice of it is known (slices not listed in
+        its namespace, not allowed, or a Service without a selector, which gets none): the caller then
+        uses the backend's own URL. A Service's slices exist as soon as the Service does, empty or not."""
+        pods: dict[str, None] = {}
+        found = False
+        for group, scope in self._slice_scopes.items():
+            if scope is not None and scope != service.namespace:
+                continue
+            for ref, urls in self._slices.get(group, {}).values():
+                if ref == service:
+                    found = True
+                    pods.update(dict.fromkeys(urls))
+        return tuple(pods) if found else None
+
+    # -- aliases
+
+    def set_aliases(self, group: str, aliases: dict[str, str]) -> None:
+        """Every alias `group` publishes now (alias -> the model whose pods serve it)."""
+        if self._aliases.get(group) != aliases:
+            self._aliases[group] = dict(aliases)
+            self._notify()
+
     # -- readers
+
+    def _upstreams(self, backends: tuple[Backend, ...]) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for b in backends:
+            pods = self.pods_of(b.service) if b.service is not None else None
+            seen.update(dict.fromkeys(b.upstreams if pods is None else pods))
+        return tuple(seen)
 
     def lookup(self, model: str) -> ModelView | None:
         backends = tuple(
             sorted((b for b in self._backends.values() if b.model == model), key=lambda b: b.key)
         )
-        return ModelView(model, backends) if backends else None
+        if backends:
+            return ModelView(model, backends, self._upstreams(backends))
+        for aliases in self._aliases.values():
+            base = aliases.get(model)
+            if base is not None and base != model:
+                view = self.lookup(base)
+                if view is not None and view.base is None:
+                    return ModelView(model, view.backends, view.upstreams, base=base)
+        return None
 
     def models(self) -> list[ModelView]:
         names = sorted({b.model for b in self._backends.values()})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from .load import model_load
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +172,7 @@ class _EngineCollector(Collector):
                 c.add_metric([name], float(getattr(m, field, 0) or 0))
             yield c
         yield from self._speculative(snapshots)
+        yield from gateway_metrics(snapshots)
         fin = CounterMetricFamily(
             "vsurge_requests_finished",
             "Finished samples by finish reason.",
@@ -205,6 +209,57 @@ class _EngineCollector(Collector):
             drafted = m.spec_decode_draft_tokens_total
             rate.add_metric([name], (m.spec_decode_accepted_tokens_total or 0) / drafted if drafted else 0.0)
         yield rate
+
+
+def gateway_metrics(snapshots: list[tuple[str, Any]]) -> Iterator[Metric]:
+    """The Gateway API Inference Extension's model-server protocol, under the names its endpoint picker
+    reads by default (vLLM's, label `model_name`): queued and running requests, KV-cache use as a 0-1
+    fraction (pages on odriver, decode slots on vdriver, as /load reports it), and LoRA adapters when the
+    engine reports them (`max_loras`, `running_loras`, `waiting_loras` on its metrics)."""
+    waiting = GaugeMetricFamily(
+        "vllm:num_requests_waiting",
+        "Requests queued, not yet decoding (GIE TotalQueuedRequests).",
+        labels=["model_name"],
+    )
+    running = GaugeMetricFamily(
+        "vllm:num_requests_running",
+        "Requests being prefilled or decoded (GIE TotalRunningRequests).",
+        labels=["model_name"],
+    )
+    kv = GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc", "KV-cache use, 0-1 (GIE KVCacheUtilization).", labels=["model_name"]
+    )
+    kv_v0 = GaugeMetricFamily(
+        "vllm:gpu_cache_usage_perc",
+        "KV-cache use, 0-1 (the name of older endpoint pickers).",
+        labels=["model_name"],
+    )
+    lora = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "LoRA adapters: the value is the time of the report; labels list the adapters (GIE LoRA affinity).",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    now = time.time()
+    for name, m in snapshots:
+        waiting.add_metric([name], float(getattr(m, "requests_waiting", 0) or 0))
+        running.add_metric([name], float(getattr(m, "requests_running", 0) or 0))
+        try:
+            usage = model_load(m)["kv_usage"]
+        except (TypeError, ValueError, AttributeError):
+            usage = 0.0
+        kv.add_metric([name], usage)
+        kv_v0.add_metric([name], usage)
+        max_loras = getattr(m, "max_loras", None)
+        if max_loras is not None:
+            lora.add_metric(
+                [
+                    str(max_loras),
+                    ",".join(getattr(m, "running_loras", None) or ()),
+                    ",".join(getattr(m, "waiting_loras", None) or ()),
+                ],
+                now,
+            )
+    yield from (waiting, running, kv, kv_v0, lora)
 
 
 class ServerMetrics:
