@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from ..engine_config import EngineConfig
 from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, kv_store, to_flat
 from ..models.sharding import dense_cache_sharding
+from ..models.target import target_backend
 from ..sampling_params import SamplingParams
 from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
@@ -190,7 +191,7 @@ def resolve_decode_steps(steps: int | None, backend: str | None = None) -> int:
     streams), 1 elsewhere (XLA:CPU steps take 100+ ms: the host keeps up, and tokens stream one by one)."""
     if steps is not None:
         return steps
-    return 4 if (backend or jax.default_backend()) == "tpu" else 1
+    return 4 if (backend or target_backend()) == "tpu" else 1
 
 
 class vEngine(EngineBase):  # noqa: N801 - the seed's name
