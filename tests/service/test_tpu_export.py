@@ -214,7 +214,7 @@ def run(model: str, engine_kind: str, chips: int, every: bool) -> list[str]:
         seen = {kind(p.name) for p in programs(build(model, "vdriver", chips)[0])}
         progs = [p for p in progs if kind(p.name) not in seen]
     chosen = progs if every else one_per_kind(progs)
-    with tl.targeting("v5e", engine.mesh):
+    with tl.targeting("v5e", engine.mesh):  # the arguments are read (and prefixes traced) for the TPU
         assert target_backend() == "tpu"
         for prog in chosen:
             check(engine, cfg, prog, export(engine, prog), chips)

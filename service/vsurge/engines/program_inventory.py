@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -132,19 +133,33 @@ def _dense_programs(engine: Any, state: Any) -> list[Program]:
         for name in prefill
     ]
     # the entries of every prefix have the same shapes ([K, ...]): the first prefill's serve the samplers
-    entries = prefix(next(iter(prefill)))
-    head = (engine.params, entries.hidden, entries.sampling, entries.prompt_mask)
-    out.append(Program("first token", engine._first, _given((*head, j, key))))
-    firsts = (np.zeros(m, np.int32), np.zeros((m, 2), np.uint32))
-    out.append(Program("first tokens", engine._firsts, _given((*head, *firsts))))
-    out += [Program(name, fn, _given(args)) for name, fn, args in structured_jobs(engine, state, entries)]
+    first = next(iter(prefill))
+
+    def entries(*rest: Any) -> Callable[[], tuple]:
+        def make() -> tuple:
+            p = prefix(first)
+            return (engine.params, p.hidden, p.sampling, p.prompt_mask, *rest)
+
+        return make
+
+    out.append(Program("first token", engine._first, entries(j, key)))
+    out.append(
+        Program("first tokens", engine._firsts, entries(np.zeros(m, np.int32), np.zeros((m, 2), np.uint32)))
+    )
+    # warm_structured's, their arguments on that prefix too (listed without it: names and programs only)
+    unset = types.SimpleNamespace(hidden=None, sampling=None, prompt_mask=None)
+    out += [
+        Program(name, fn, lambda i=i: structured_jobs(engine, state, prefix(first))[i][2])
+        for i, (name, fn, _) in enumerate(structured_jobs(engine, state, unset))
+    ]
     return out
 
 
 def programs(engine: Any) -> list[Program]:
     """Every program of ``engine`` (a vEngine or an oEngine) a live request can hit, compile()'s first,
     as `Program` (name, jitted function, abstract arguments); for a vEngine also the structured-output
-    programs. Lowering-only: nothing is allocated but small host inputs, nothing compiled."""
+    programs. Nothing is allocated but small host inputs, nothing compiled or traced until a program's
+    ``args`` are read; read them inside `tpu_lowering.targeting` to lower for that TPU."""
     state = state_spec(engine)
     if not isinstance(engine, oEngine):
         return _dense_programs(engine, state)
