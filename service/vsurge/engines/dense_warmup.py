@@ -34,6 +34,84 @@ def _zeros_of(spec: Any) -> Any:
     return jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
 
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def _warm_prompts(engine: Any) -> tuple[dict[int, list[int]], dict[int, list[list[int]]]]:
+    """A prompt filling each prefill bucket; per multi-row pack, as many prompts as rows, each filling its
+    row. A bucket of max_length holds at most max_length - 1 prompt tokens (one is generated)."""
+    warm = {n: [1] * min(n, engine.max_prompt_length) for n in engine.prefill_lengths}
+    width = min(engine.prefill_pack_tokens, engine.max_prompt_length)
+    return warm, {r: [[1] * width] * r for r in engine.pack_rows}
+
+
+def _single_steps(engine: Any) -> dict[int, Any]:
+    """The single decode step per row bucket, where the driver runs one: with decode blocks it never
+    does (blocks, or the structured split step), so those are compiled only if called directly."""
+    return {} if engine.blocks is not None else engine._decode
+
+
+def program_jobs(engine: Any, state: Any) -> list[tuple[str, Any, tuple]]:
+    """(name, program, example arguments) of every program `compile_engine` lowers and compiles in
+    parallel, on ``state``: the real decode state, or its abstract twin (engines/program_inventory.py)."""
+    greedy = [GREEDY]
+    warm, warm_rows = _warm_prompts(engine)
+    jobs = [
+        (
+            f"prefill bucket {n}",
+            engine._prefill,
+            (engine.prefill_params, *engine._pack([warm[n]], greedy, None)),
+        )
+        for n in engine.prefill_lengths
+    ]
+    width = engine.prefill_pack_tokens
+    jobs += [
+        (
+            f"prefill rows {r}x{width}",
+            engine._prefill,
+            (engine.prefill_params, *engine._pack(prompts, greedy * r, None)),
+        )
+        for r, prompts in warm_rows.items()
+    ]
+    jobs += [
+        (f"decode slots={r}", fn, (engine.step_params(r), state, np.ones(r, np.int32)))
+        for r, fn in _single_steps(engine).items()
+    ]
+    jobs += engine.chunked.jobs()
+    jobs.append(("move slots", engine._move, (state, *move_args([], engine.max_concurrent_decodes))))
+    if engine.blocks is not None:
+        jobs += engine.blocks.jobs(state)
+    if engine.speculator is not None:
+        jobs += engine.speculator.jobs(state)
+    if engine.mixed is not None:
+        jobs += engine.mixed.jobs(state)
+    return jobs
+
+
+def structured_jobs(engine: Any, state: Any, prefix: Any) -> list[tuple[str, Any, tuple]]:
+    """What `warm_structured` compiles: the split step (model, then the masked sampler) per row count
+    and the masked first token, on ``state`` and a ``prefix`` (real arrays or their shapes)."""
+    v = engine.config.vocab_size
+    mask_spec = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    words = -(-v // 32)
+    jobs = [
+        (f"forward slots={r}", fn, (engine.step_params(r), state, np.ones(r, np.int32)))
+        for r, fn in engine._forward.items()
+    ]
+    jobs += [
+        (
+            f"masked sampler slots={r}",
+            fn,
+            (state, jax.ShapeDtypeStruct((r, v), jnp.float32), mask_spec((r, words))),
+        )
+        for r, fn in engine._sample_masked.items()
+    ]
+    key = np.zeros(2, np.uint32)
+    first_args = (engine.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, np.int32(0), key)
+    jobs.append(("masked first token", engine._first, (*first_args, mask_spec((1, words)))))
+    return jobs
+
+
 def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -> float:
     """Compile every program a live request can hit; returns seconds.
 
@@ -44,44 +122,10 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
     say = progress or log.info
     t0 = time.perf_counter()
     state = engine.init_decode_state()
-    greedy = [SamplingParams(temperature=0.0, max_tokens=1)]
-    # a bucket of max_length holds at most max_length - 1 prompt tokens (one is generated)
-    warm = {n: [1] * min(n, engine.max_prompt_length) for n in engine.prefill_lengths}
-    jobs = [
-        (
-            f"prefill bucket {n}",
-            engine._prefill,
-            (engine.prefill_params, *engine._pack([warm[n]], greedy, None)),
-        )
-        for n in engine.prefill_lengths
-    ]
-    # multi-row packs: as many rows as prompts, each prompt filling its row
-    width = engine.prefill_pack_tokens
-    warm_rows = {r: [[1] * min(width, engine.max_prompt_length)] * r for r in engine.pack_rows}
-    jobs += [
-        (
-            f"prefill rows {r}x{width}",
-            engine._prefill,
-            (engine.prefill_params, *engine._pack(prompts, greedy * r, None)),
-        )
-        for r, prompts in warm_rows.items()
-    ]
-    # with decode blocks the driver never runs a single decode step (blocks, or the structured split
-    # step): those programs are compiled only if called directly
-    single = {} if engine.blocks is not None else engine._decode
-    jobs += [
-        (f"decode slots={r}", fn, (engine.step_params(r), state, np.ones(r, np.int32)))
-        for r, fn in single.items()
-    ]
-    jobs += engine.chunked.jobs()
-    jobs.append(("move slots", engine._move, (state, *move_args([], engine.max_concurrent_decodes))))
-    if engine.blocks is not None:
-        jobs += engine.blocks.jobs(state)
-    if engine.speculator is not None:
-        jobs += engine.speculator.jobs(state)
-    if engine.mixed is not None:
-        jobs += engine.mixed.jobs(state)
-
+    greedy = [GREEDY]
+    warm, warm_rows = _warm_prompts(engine)
+    single = _single_steps(engine)
+    jobs = program_jobs(engine, state)
     compile_jobs(jobs, say)
     for n in engine.prefill_lengths:  # warm every program on the real state
         state, first = engine.insert(engine.prefill(warm[n], greedy[0]), state, 0)
@@ -129,23 +173,9 @@ def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) 
     if engine._specs is not None:
         state, prefix = engine._specs
         v = engine.config.vocab_size
-        mask_spec = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         words = -(-v // 32)
-        jobs = [
-            (f"forward slots={r}", fn, (engine.step_params(r), state, np.ones(r, np.int32)))
-            for r, fn in engine._forward.items()
-        ]
-        jobs += [
-            (
-                f"masked sampler slots={r}",
-                fn,
-                (state, jax.ShapeDtypeStruct((r, v), jnp.float32), mask_spec((r, words))),
-            )
-            for r, fn in engine._sample_masked.items()
-        ]
         key = np.zeros(2, np.uint32)
-        first_args = (engine.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, np.int32(0), key)
-        jobs.append(("masked first token", engine._first, (*first_args, mask_spec((1, words)))))
+        jobs = structured_jobs(engine, state, prefix)
         compile_jobs(jobs, say)
         # one real call of each on a throwaway state: the jit dispatch caches then hold the live
         # signatures (tracing and lowering happen here, never on the step thread)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
 from ..models.sharding import place_params
+from ..models.target import target_backend
 from .chunked_prefill import ChunkedPrefill
 from .sampling import SlotSampling, sample, set_slot, sharded_sampling
 
@@ -55,7 +56,7 @@ def default_prefill_lengths(max_prefill_length: int, backend: str | None = None)
     """Powers of two up to the largest bucket: from 32 on CPU (its prefill costs by the token), from 128
     on TPU (a short prompt costs about the same in a 128 bucket there, and each bucket is a program to
     compile at start)."""
-    return _doubling(128 if (backend or jax.default_backend()) == "tpu" else 32, max_prefill_length)
+    return _doubling(128 if (backend or target_backend()) == "tpu" else 32, max_prefill_length)
 
 
 def decode_buckets(max_length: int, smallest: int = 128) -> list[int]:
@@ -67,7 +68,7 @@ def row_buckets(slots: int, smallest: int = 4, backend: str | None = None) -> li
     """How many leading slots a decode step covers: powers of two up to `slots`; on TPU powers of four
     from 8, since a step's weight reads cost the same for 8 rows or 64 there, and each bucket is a
     program to compile at start (rows still matter when few long rows are live: the KV a step reads)."""
-    if (backend or jax.default_backend()) == "tpu":
+    if (backend or target_backend()) == "tpu":
         out, n = [], min(8, slots)
         while n < slots:
             out.append(n)
@@ -253,6 +254,8 @@ class EngineBase:
 
     def _device(self) -> jax.Device:
         leaf = jax.tree_util.tree_leaves(self.params)[0]
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract weights (built to be lowered only)
+            return next(iter(leaf.sharding.device_set)) if leaf.sharding is not None else jax.devices()[0]
         return next(iter(leaf.devices()))
 
 

@@ -44,6 +44,7 @@ from .engine_base import EngineBase, _doubling, compile_jobs, constrain, decode_
 from .host_arrays import put_host
 from .kernel_fallback import compile_with_fallback
 from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
+from .paged_programs import program_jobs, step_metas
 from .paging import HBMPageManager, PagedAttentionCache
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
@@ -459,45 +460,15 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
             SamplingParams(temperature=0.0, max_tokens=1), [], np.zeros(2, np.uint32), [0]
         )
         row = np.zeros(self.table_width, np.int32)
-        v = self.config.vocab_size
         rep = self._replicated()
         # committed to the device like the driver's table: jit keys on that, and a miss is a compile
         table = jax.device_put(np.zeros((self.max_concurrent_decodes, self.table_width), np.int32), rep)
-        zero, logits = np.int32(0), jax.device_put(jnp.zeros((v,), jnp.float32), rep)
-        legacy = self.legacy_programs
-        jobs = [
-            (
-                f"prefill chunk {t} x {n} pages",
-                self._prefill[n],
-                (self.params, state.pages, np.ones(t, np.int32), zero, np.int32(t), row),
-            )
-            for t, n in (self.prefill_shapes() if legacy else [])
-        ]
-        jobs.append(("seat", self._seat, (state, logits, zero, zero, inputs)))
-        jobs += [
-            (
-                f"decode slots={r} x {n} pages",
-                fn,
-                (self.params, state.pages, state.tokens, state.positions, table),
-            )
-            for (r, n), fn in (self._forward.items() if legacy else [])
-        ]
-        metas = {rp: np.zeros(self._layout(*rp).size, np.int32) for rp in self._mixed}
-        jobs += [
-            (
-                f"step rows={r} + {p} chunk tokens",
-                fn,
-                (self.params, state.pages, state.tokens, state.positions, table, metas[(r, p)]),
-            )
-            for (r, p), fn in self._mixed.items()
-        ]
-        k_logits = jax.device_put(jnp.zeros((self.step_seqs, v), jnp.float32), rep)
-        jobs.append(("seat after a chunk", self._seat_chunk, (state, k_logits, zero, zero, zero, inputs)))
-        jobs += [
-            (f"sampler slots={r}", fn, (state, jax.device_put(jnp.zeros((r, v), jnp.float32), rep)))
-            for r, fn in self._sample.items()
-        ]
-        jobs += self.chunked.jobs()
+        zero, legacy = np.int32(0), self.legacy_programs
+        logits = jax.device_put(jnp.zeros((self.config.vocab_size,), jnp.float32), rep)
+        jobs = program_jobs(
+            self, state, inputs, table, lambda shape, dt: jax.device_put(jnp.zeros(shape, dt), rep)
+        )
+        metas = step_metas(self)
 
         compile_jobs(jobs, say)
         for t, n in self.prefill_shapes() if legacy else []:  # warm every program on the real state

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..models.target import target_backend
 from .sampling_state import _KEY_IMPL
 
 IMPLS = ("cpu", "tpu")
@@ -35,8 +36,9 @@ _SAMPLER_BLOCK = 256
 
 
 def sampler_impl(impl: str | None = None) -> str:
-    """The implementation a trace uses: ``impl`` if given, else $VSURGE_SAMPLER_IMPL, else by backend."""
-    impl = impl or os.environ.get(SAMPLER_IMPL_ENV) or ("cpu" if jax.default_backend() == "cpu" else "tpu")
+    """The implementation a trace uses: ``impl`` if given, else $VSURGE_SAMPLER_IMPL, else by the backend
+    the program is for (models/target.py: a TPU being lowered for counts as one)."""
+    impl = impl or os.environ.get(SAMPLER_IMPL_ENV) or ("cpu" if target_backend() == "cpu" else "tpu")
     if impl not in IMPLS:
         raise ValueError(f"sampler implementation must be one of {IMPLS}, got {impl!r}")
     return impl

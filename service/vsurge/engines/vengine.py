@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from ..engine_config import DEFAULT_SEED, EngineConfig
 from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, kv_store, to_flat
 from ..models.sharding import dense_cache_sharding
+from ..models.target import target_backend
 from ..sampling_params import SamplingParams
 from ..seed_args import ENGINE_ARGS, default, seed_engine_config
 from .bf16_weights import bf16_kernels, decode_weights
@@ -193,7 +194,7 @@ def resolve_decode_steps(steps: int | None, backend: str | None = None) -> int:
     streams), 1 elsewhere (XLA:CPU steps take 100+ ms: the host keeps up, and tokens stream one by one)."""
     if steps is not None:
         return steps
-    return 4 if (backend or jax.default_backend()) == "tpu" else 1
+    return 4 if (backend or target_backend()) == "tpu" else 1
 
 
 @seed_forms  # the seed's prefill / decode / insert / bulk_insert beside ours (seed_dense.py)

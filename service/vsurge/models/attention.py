@@ -23,6 +23,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from .target import target_backend
+
 _NEG = -1e30
 
 # A bfloat16 KV cache is kept as its bits (uint16) and widened with an integer shift when read: XLA:CPU
@@ -60,12 +62,13 @@ READERS = ("heads", "flat")
 
 
 def dense_reader() -> str:
-    """How dense rows are read in the program being traced: ``flat`` on TPU, ``heads`` elsewhere, unless
-    `use_dense_reader` chose one (tests run the TPU form on CPU with it)."""
+    """How dense rows are read in the program being traced: ``flat`` on TPU (or lowering for one, see
+    models/target.py), ``heads`` elsewhere, unless `use_dense_reader` chose one (tests run the TPU form on
+    CPU with it)."""
     forced = _READER.get()
     if forced is not None:
         return forced
-    return "flat" if jax.default_backend() == "tpu" else "heads"
+    return "flat" if target_backend() == "tpu" else "heads"
 
 
 @contextlib.contextmanager

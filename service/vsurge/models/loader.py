@@ -25,6 +25,7 @@ from .quantization import check_quantization, groups_for, quantize_on_device
 from .registry import architecture_for
 from .safetensors_io import ShardedCheckpoint
 from .sharding import make_mesh, sharding_for
+from .target import target_backend
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 def resolve_dtype(dtype: Any) -> Any:
     """None -> float32 on CPU (XLA:CPU bf16 matmuls are slow), bfloat16 on accelerators."""
     if dtype is None:
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if target_backend() == "cpu" else jnp.bfloat16
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
@@ -104,6 +105,37 @@ def build_model(
         var.set_value(place(arr, sharding, dtype))
     model = nnx.merge(graphdef, state)
     return model
+
+
+def abstract_model(
+    cfg: ModelConfig, *, dtype: Any = None, mesh: Mesh | None = None, quantization: str | None = "none"
+) -> nnx.Module:
+    """A model of ``cfg`` whose parameters are only what `build_model` would make of a checkpoint: shapes,
+    dtypes (int8 scales grouped as it quantizes them for the target backend) and shardings, as
+    ``jax.ShapeDtypeStruct``; nothing is read or allocated. An engine built on it can be lowered, not run:
+    how CI exports the programs of an 8B model for a TPU pod (models/tpu_lowering.py)."""
+    family = architecture_for(cfg.model_type)
+    dtype = resolve_dtype(dtype)
+    quantization = check_quantization(quantization)
+    extra = {} if quantization == "none" else {"quantization": quantization}
+    graphdef, state = nnx.split(
+        nnx.eval_shape(lambda: family.model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0), **extra))
+    )
+    rules = family.partition_rules
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        value = var.get_value()
+        shape = tuple(value.shape)
+        if str(path[-1]) == "scale":  # as _quantized: groups along the contraction axis of its weight
+            weight = next(p for p in ((*path[:-1], "kernel"), (*path[:-1], "embedding")) if p in flat)
+            axis = 0 if weight[-1] == "kernel" else 1
+            full = tuple(flat[weight].get_value().shape)
+            w_sharding = sharding_for("/".join(map(str, weight)), full, mesh, rules)
+            groups = groups_for(full[axis], _shards(w_sharding, axis))
+            shape = tuple(groups if i == axis else n for i, n in enumerate(full))
+        sharding = sharding_for("/".join(map(str, path)), shape, mesh, rules)
+        var.set_value(jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding))
+    return nnx.merge(graphdef, state)
 
 
 def place(arr: np.ndarray, sharding: jax.sharding.Sharding, dtype: Any = None) -> jax.Array:

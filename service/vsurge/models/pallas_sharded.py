@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 from ..engine_config import ATTENTION_BACKENDS
 from . import kernel_tables
 from .kv_layout import KVLayout, kv_heads_error, kv_layout
+from .target import target_backend, target_device_kind  # noqa: F401 - target_device_kind: also ours
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +84,6 @@ def current() -> AttentionSetup:
     if kind is not None and kernel_available():
         return AttentionSetup("auto", None, True, "mosaic", "unconfigured, on TPU", kind)
     return AttentionSetup("auto", None, False, "reference", "unconfigured")
-
-
-def target_device_kind() -> str | None:
-    """The TPU programs are built for: the one being lowered for (an abstract mesh with a TPU device,
-    see models/tpu_lowering.py), else this process's TPU; None off TPU."""
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None and abstract.platform == "tpu":
-        return abstract.device_kind
-    if jax.default_backend() == "tpu":
-        return jax.devices()[0].device_kind
-    return None
 
 
 def kernel_available() -> bool:
@@ -191,14 +181,14 @@ def configure(
         else:
             setup = AttentionSetup(backend, mesh, True, "mosaic", f"the TPU kernel ({kind})", kind)
     elif backend == "auto":
-        setup = AttentionSetup(backend, mesh, False, "reference", f"pure JAX on {jax.default_backend()}")
+        setup = AttentionSetup(backend, mesh, False, "reference", f"pure JAX on {target_backend()}")
     else:  # pallas off TPU: the kernel interpreted, else its reference, at the same call and shardings
         why = shape_error or interpret_failure()
         if why is None:
             setup = AttentionSetup(backend, mesh, True, "interpret", "the TPU kernel, interpreted")
         else:
             setup = AttentionSetup(backend, mesh, True, "reference", f"kernel reference ({why})")
-            log.warning("attention=pallas on %s runs the kernel's reference: %s", jax.default_backend(), why)
+            log.warning("attention=pallas on %s runs the kernel's reference: %s", target_backend(), why)
     if setup.pallas and forced is not None and forced != setup.kernel:
         setup = dataclasses.replace(setup, kernel=forced, reason=f"{setup.reason}; {KERNEL_ENV}={forced}")
     if cfg is not None:

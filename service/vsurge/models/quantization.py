@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from ..engine_config import QUANTIZATIONS  # one list of choices: the config's
+from .target import target_backend
 
 __all__ = [
     "QUANTIZATIONS",
@@ -71,7 +72,7 @@ def groups_for(n_in: int, shards: int = 1, backend: str | None = None) -> int:
     On TPU always one: XLA fuses a per-channel weight's int8 -> bf16 convert into the matmul (the scale goes
     on the output), but not a grouped one's multiply, which then writes the whole weight out first (a
     [64, 4096] x [4096, 14336] matmul measured 2.3x slower with groups of 64 on a v5e chip)."""
-    if (backend or jax.default_backend()) == "tpu":
+    if (backend or target_backend()) == "tpu":
         return 1
     if n_in % GROUP_SIZE or (n_in // GROUP_SIZE) % max(1, shards):
         return 1
@@ -171,7 +172,7 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, axis: int = 0) 
     out_axis = 1 - axis
     n_out, n_in = q.shape[out_axis], q.shape[axis]
     tile = n_out
-    if jax.default_backend() == "cpu":
+    if target_backend() == "cpu":
         tile = _tile_size(n_out, n_in, jnp.dtype(x.dtype).itemsize)  # a weight under one tile: one step
     if tile == n_out:
         return _tile_matmul(x, q, scale, axis)

@@ -112,11 +112,16 @@ def dense_cache_sharding(
 
 
 def place_params(state, cfg, mesh: Mesh):
-    """Move an nnx parameter State onto `mesh` by the architecture's rules (for engines on their own devices)."""
+    """Move an nnx parameter State onto `mesh` by the architecture's rules (for engines on their own devices);
+    abstract parameters (jax.ShapeDtypeStruct) get the sharding they would have there."""
     from flax import nnx
 
     rules = architecture_for(cfg.model_type).partition_rules
     for path, var in nnx.to_flat_state(state):
         value = var.get_value()
-        var.set_value(jax.device_put(value, sharding_for("/".join(map(str, path)), value.shape, mesh, rules)))
+        sharding = sharding_for("/".join(map(str, path)), value.shape, mesh, rules)
+        if isinstance(value, jax.ShapeDtypeStruct):  # an abstract model (loader.abstract_model): no data
+            var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+        else:
+            var.set_value(jax.device_put(value, sharding))
     return state

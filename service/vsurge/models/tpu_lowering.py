@@ -13,8 +13,8 @@ as long as two more things hold, both kept by models/pallas_sharded.py:
   from the context's), which `pallas_sharded._shard_mesh` picks when its axes match the engine's.
 
 `lower_for_tpu` takes any jitted function and abstract arguments (``jax.ShapeDtypeStruct``, with
-shardings on a concrete mesh of this machine's devices or on the abstract mesh) and returns the
-``jax.export.Exported``; `mosaic_kernels` lists the Mosaic calls in it. `targeting` is the context alone,
+shardings on a concrete mesh of this machine's devices, moved onto the abstract mesh by `on_target`, or on
+the abstract mesh) and returns the ``jax.export.Exported``; `mosaic_kernels` lists the Mosaic calls in it. `targeting` is the context alone,
 e.g. to build an engine as it is built on that chip (`pallas_sharded.configure` decides for the TPU in
 context: the kernel path, its padded cache layout).
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
-from jax.sharding import AbstractDevice, AbstractMesh, Mesh
+from jax.sharding import AbstractDevice, AbstractMesh, Mesh, NamedSharding
 
 from .kernel_tables import resolve_generation
 from .sharding import AXES, parse_mesh_spec
@@ -79,8 +79,28 @@ def lower_for_tpu(
     ``mesh``'s axes (default: one chip), on whatever this machine is. Raises what the lowering raises:
     a kernel that cannot lower for that chip fails here, as it would at a TPU's start."""
     jitted = fn if hasattr(fn, "trace") and hasattr(fn, "lower") else jax.jit(fn)
-    with targeting(generation, mesh):
+    with targeting(generation, mesh) as target:
+        args, kwargs = on_target((args, kwargs), target)
         return jax.export.export(jitted, platforms=("tpu",))(*args, **kwargs)
+
+
+def on_target(tree: Any, target: AbstractMesh) -> Any:
+    """Abstract arguments whose shardings are on a mesh of this machine's devices moved onto ``target``
+    (the same axes and specs): every value of the trace then carries the TPU mesh, as on the pod (jax
+    refuses an op whose inputs carry two meshes: random.fold_in of a key argument with a step counter
+    made in the program, for one)."""
+
+    def one(x: Any) -> Any:
+        sh = getattr(x, "sharding", None)
+        if not isinstance(x, jax.ShapeDtypeStruct) or not isinstance(sh, NamedSharding):
+            return x
+        if not isinstance(sh.mesh, Mesh) or sh.mesh.shape_tuple != target.shape_tuple:
+            return x
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(target, sh.spec), weak_type=x.weak_type
+        )
+
+    return jax.tree.map(one, tree)
 
 
 def mosaic_kernels(exported: jax.export.Exported | str) -> list[str]:
