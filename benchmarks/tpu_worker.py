@@ -146,10 +146,14 @@ def raw_loop(model, path: str, batch: int, context: int, max_length: int, steps:
 # ------------------------------------------------------------------------------------------ engines
 
 
-def engine_config(path: str, batch: int, max_length: int, decode_steps: int | None = None):
+def engine_config(
+    path: str, batch: int, max_length: int, decode_steps: int | None = None, kv_cache_bytes: int | None = None
+):
     from vsurge.engine_config import EngineConfig
 
     kw: dict[str, Any] = dict(max_concurrent_decodes=batch, max_length=max_length)
+    if kv_cache_bytes and path != "vdriver":
+        kw["kv_cache_bytes"] = kv_cache_bytes
     if path == "vdriver":
         return EngineConfig(driver="vdriver", decode_steps=decode_steps, **kw)
     return EngineConfig(driver="odriver", attention="pallas" if path == "odriver-pallas" else "jax", **kw)
@@ -282,6 +286,26 @@ def warm_start(args) -> None:
     surge.stop()
 
 
+def first_mismatch(ref_model, prompts, got, want, ref_logits, cpu) -> list[dict]:
+    """Per differing prompt: where the device's tokens first leave the reference's, and the reference's
+    gap between its chosen token and the device's there (a gap of ~1e-3 of the logits' scale is a tie
+    that summation order decides; a large one is a wrong result)."""
+    import jax
+
+    out = []
+    for i, (p, g, w) in enumerate(zip(prompts, got, want)):
+        if g == w:
+            continue
+        k = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        row = dict(prompt=i, at=k, got=g[k] if k < len(g) else None, want=w[k] if k < len(w) else None)
+        if row["got"] is not None and row["want"] is not None:
+            with jax.default_device(cpu):
+                lg = np.asarray(ref_logits(ref_model, np.asarray([list(p) + w[:k]], np.int32)))[0, -1]
+            row.update(gap=float(lg[w[k]] - lg[g[k]]), scale=float(np.std(lg)))
+        out.append(row)
+    return out
+
+
 def correctness(args) -> None:
     """Greedy tokens of a tiny model on the device, through each engine path (vdriver's dense rows,
     odriver's paged pure JAX and Pallas kernel; f32 and int8 weights), against the CPU reference of the
@@ -291,6 +315,7 @@ def correctness(args) -> None:
 
     import vsurge
     from vsurge.models import greedy_generate
+    from vsurge.models import logits as ref_logits
 
     cpu = jax.devices("cpu")[0]
     rng = np.random.default_rng(3)
@@ -309,7 +334,7 @@ def correctness(args) -> None:
                     continue
                 row = dict(weights="f32" if quant == "none" else "int8", path=path)
                 try:
-                    surge = vsurge.vSurge.create(model, tok, engine_config(path, 4, 128))
+                    surge = vsurge.vSurge.create(model, tok, engine_config(path, 4, 128, kv_cache_bytes=64 << 20))
                     surge.compile()
                     surge.start()
                     try:
@@ -331,6 +356,8 @@ def correctness(args) -> None:
                     finally:
                         surge.stop()
                     row.update(ok=got == want, got=got[:1], want=want[:1])
+                    if got != want:  # a near-tie flipped by summation order, or a wrong path?
+                        row["mismatch"] = first_mismatch(ref_model, prompts, got, want, ref_logits, cpu)
                 except Exception as e:  # noqa: BLE001 - each path stands alone
                     row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
                 rows.append(row)
