@@ -28,7 +28,8 @@ PAGES = [REPO / "README.md", *DOCS]
 # Pages other branches add (LoRA): a link to one is checked once it exists.
 PENDING = {REPO / "docs" / "lora.md"}
 
-_FENCE = re.compile(r"^(`{3,})([^\n`]*)\n(.*?)^\1[ \t]*$", re.S | re.M)
+# a fenced block, indented too (inside a list item): indent, fence, info string, body
+_FENCE = re.compile(r"^([ \t]*)(`{3,})([^\n`]*)\n(.*?)^\1\2[ \t]*$", re.S | re.M)
 
 
 def _load_gen_docs():
@@ -178,10 +179,10 @@ def test_the_link_check_finds_a_broken_file_and_anchor(tmp_path):
 def runnable_blocks(page: Path) -> list[tuple[str, str, set[str]]]:
     """(language, code, tags) of every block whose info string is ``<language> run [tags...]``."""
     out = []
-    for _, info, body in _FENCE.findall(page.read_text(encoding="utf-8")):
+    for _, _, info, body in _FENCE.findall(page.read_text(encoding="utf-8")):
         words = info.split()
         if len(words) >= 2 and words[1] == "run":
-            out.append((words[0], body, set(words[2:])))
+            out.append((words[0], textwrap.dedent(body), set(words[2:])))
     return out
 
 
