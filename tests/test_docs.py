@@ -229,26 +229,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     """`vsurge serve --model default` (what `make serve` runs), on a free port; stopped with SIGTERM."""
     port = _free_port()
     cmd = [sys.executable, "-m", "vsurge.cli", "serve", "--model", "default", "--host", "127.0.0.1"]
-    cmd += [
-        "--port",
-        str(port),
-        "--metrics-port",
-        "-1",
-        "--max-concurrent-decodes",
-        "4",
-        "--max-length",
-        "512",
-    ]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd += ["--port", str(port), "--metrics-port", "-1"]
+    # few slots and buckets: the blocks send one short prompt at a time, and every shape compiles at start
+    cmd += ["--max-concurrent-decodes", "2", "--max-length", "512", "--prefill-lengths", "64,128"]
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 900
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"vsurge serve exited {proc.returncode}:\n{proc.stdout.read()[-4000:]}")
+                pytest.fail(f"vsurge serve exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=5) as r:
                     if r.status == 200:
@@ -266,6 +261,7 @@ def server():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
 
 
 @pytest.mark.parametrize(("page", "index", "lang", "body", "tags"), BLOCKS)
