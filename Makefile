@@ -44,7 +44,7 @@ bench: test-deps
 
 lint: test-deps
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check service operator tests benchmarks
+	$(VENV)/bin/ruff format --check service operator tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)  # info strings such as "bash run server"
 
 
 def bash_blocks(text: str) -> list[str]:

@@ -81,9 +81,19 @@ def _vsurge_argv() -> list[str]:
     return [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())"]
 
 
+# Where docs/performance.md's recipes install each peer, under the directory the reader chose as $PEERS.
+PEERS_LAYOUT = {
+    "vllm": os.path.join("vllm-venv", "bin", "vllm"),
+    "llama-server": os.path.join("llama-build", "bin", "llama-server"),
+}
+
+
 def _binary(explicit: str | None, env_var: str, name: str) -> str | None:
-    """An explicit path, then $ENV_VAR, then PATH; None when none of them names an executable."""
-    for cand in (explicit, os.environ.get(env_var), shutil.which(name)):
+    """An explicit path, then $ENV_VAR, then $PEERS/<the recipe's place>, then PATH; None when none of them
+    names an executable."""
+    peers_dir = os.environ.get("PEERS")
+    in_peers = os.path.join(peers_dir, PEERS_LAYOUT[name]) if peers_dir else None
+    for cand in (explicit, os.environ.get(env_var), in_peers, shutil.which(name)):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     return None
@@ -113,7 +123,11 @@ def discover(opts: Any, concurrency: int) -> list[Peer | Skipped]:
             binary = _binary(opts.vllm, "VLLM_BIN", "vllm")
             if binary is None:
                 out.append(
-                    Skipped(name, "no vllm: pass --vllm PATH/bin/vllm or set VLLM_BIN (README: peers)")
+                    Skipped(
+                        name,
+                        "no vllm: pass --vllm PATH/bin/vllm, set VLLM_BIN or PEERS "
+                        "(docs/performance.md: installing the peers)",
+                    )
                 )
                 continue
             try:
@@ -129,7 +143,7 @@ def discover(opts: Any, concurrency: int) -> list[Peer | Skipped]:
                 # refuses to start when anything else holds memory: 20% of 24 GiB holds weights + KV
                 "--gpu-memory-utilization", "0.2",
             ]  # fmt: skip
-            # the CPU platform even where the vllm dist-info's version lacks "+cpu" (README: peers)
+            # the CPU platform even where the vllm dist-info's version lacks "+cpu" (docs/performance.md: peers)
             env = {"VLLM_TARGET_DEVICE": "cpu"}
             out.append(Peer(name, argv + shlex.split(opts.vllm_args or ""), port, "/health", env))
         else:  # llama.cpp
@@ -137,7 +151,9 @@ def discover(opts: Any, concurrency: int) -> list[Peer | Skipped]:
             if binary is None:
                 out.append(
                     Skipped(
-                        name, "no llama-server: pass --llama-server PATH or set LLAMA_SERVER (README: peers)"
+                        name,
+                        "no llama-server: pass --llama-server PATH, set LLAMA_SERVER or PEERS "
+                        "(docs/performance.md: installing the peers)",
                     )
                 )
                 continue

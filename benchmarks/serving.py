@@ -9,7 +9,7 @@
     # a named workload (see PRESETS): 64 streaming completions, 32 in flight, prompts 32-512 tokens:
     python benchmarks/serving.py --base-url http://127.0.0.1:11556/v1 --preset mixed-32
     # the same workload against vsurge (both drivers), vLLM CPU and llama.cpp, one at a time, one table:
-    python benchmarks/serving.py --peers --preset mixed-32 --vllm /work/peers/vllm-venv/bin/vllm
+    PEERS=$HOME/peers python benchmarks/serving.py --peers --preset mixed-32   # peers installed under $PEERS
 
 Per request: TTFT (send -> first content chunk), TPOT = (latency - TTFT) / (output tokens - 1), ITL (gaps
 between content chunks), end-to-end latency; reported as mean / p50 / p99, with request throughput and
@@ -622,9 +622,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["vsurge-vdriver", "vsurge-odriver", "vllm", "llama.cpp"],
         help="peers to run, in order (default: vsurge-vdriver,vsurge-odriver,vllm,llama.cpp)",
     )
-    p.add_argument("--vllm", default=None, help="vllm executable (default: $VLLM_BIN, then PATH)")
     p.add_argument(
-        "--llama-server", default=None, help="llama-server executable (default: $LLAMA_SERVER, then PATH)"
+        "--vllm",
+        default=None,
+        help="vllm executable (default: $VLLM_BIN, then $PEERS/vllm-venv/bin/vllm, then PATH)",
+    )
+    p.add_argument(
+        "--llama-server",
+        default=None,
+        help="llama-server executable (default: $LLAMA_SERVER, then $PEERS/llama-build/bin/llama-server, then PATH)",
     )
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: --model's, or the default)")
     p.add_argument(

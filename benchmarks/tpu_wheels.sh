@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with the registries, what a lent TPU machine (no network, jax + libtpu preinstalled)
 # needs to run the project's engine: the project's pinned wheels in .whl-tpu/ (git-ignored) and the
-# runner. Then one device call: `bash .whl-tpu/run.sh` with .whl-tpu carried (benchmarks/README: On a TPU).
+# runner. Then one device call: `bash .whl-tpu/run.sh` with .whl-tpu carried (docs/development.md: On a TPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl-tpu/' .git/info/exclude 2>/dev/null || echo /.whl-tpu/ >> .git/info/exclude

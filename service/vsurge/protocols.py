@@ -38,8 +38,8 @@ class AbstractInferenceEngine(_Structural):
 
     ``prefill`` returns a prefix and the first token (ResultTokens); ``insert`` / ``bulk_insert`` place a
     prefix into decode slots; ``decode`` advances every active slot one token; ``free_resource`` releases
-    a slot. vEngine implements all of it; oEngine prefills inside its mixed step (`forward`), see the
-    README's differences from the seed.
+    a slot. vEngine implements all of it; oEngine prefills inside its mixed step (`forward`), see
+    docs/seed.md, differences from the seed.
     """
 
     _members = frozenset(

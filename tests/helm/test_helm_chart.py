@@ -1009,16 +1009,17 @@ def test_components_can_be_switched_off(chart: helm_python.Chart) -> None:
     }
 
 
-# ------------------------------------------------------------------------------------------ the README
+# ------------------------------------------------------------------------------------------ the docs
 
-README = CHART_DIR.parent.parent / "README.md"
+REPO_ROOT = CHART_DIR.parent.parent
+KUBERNETES_DOC = REPO_ROOT / "docs" / "kubernetes.md"
 
 
 def _values_section() -> str:
-    """The chart's values table: README.md from '#### Values' to the next heading of its level or above."""
-    text = README.read_text()
-    start = text.index("\n", text.index("#### Values"))
-    end = re.search(r"^#{1,4} ", text[start:], flags=re.MULTILINE)
+    """The chart's values table: docs/kubernetes.md from '### Values' to the next heading of its level or above."""
+    text = KUBERNETES_DOC.read_text()
+    start = text.index("\n", text.index("### Values"))
+    end = re.search(r"^#{1,3} ", text[start:], flags=re.MULTILINE)
     return text[start : start + end.start()] if end else text[start:]
 
 
@@ -1028,23 +1029,23 @@ def _leaf_paths(values: Any, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")]
 
 
-def test_readme_values_table_matches_values_yaml() -> None:
+def test_values_table_matches_values_yaml() -> None:
     rows = re.findall(r"^\| `([^`]+)` \|", _values_section(), flags=re.MULTILINE)
-    assert rows, "no values table in README.md"
+    assert rows, "no values table in docs/kubernetes.md"
     assert len(rows) == len(set(rows)), "a key is listed twice"
     leaves = _leaf_paths(DEFAULT_VALUES)
     for leaf in leaves:
         parts = leaf.split(".")
         documented = {".".join(parts[:n]) for n in range(1, len(parts) + 1)} & set(rows)
-        assert documented, f"{leaf} is not in the README's values table"
+        assert documented, f"{leaf} is not in docs/kubernetes.md's values table"
     for row in rows:
         assert any(leaf == row or leaf.startswith(row + ".") for leaf in leaves), (
             f"{row} is not in values.yaml"
         )
 
 
-def test_readme_commands_match_the_chart(renders: dict[str, Rendered]) -> None:
-    text = README.read_text()
+def test_docs_commands_match_the_chart(renders: dict[str, Rendered]) -> None:
+    text = KUBERNETES_DOC.read_text()
     notes = renders["defaults"].notes
     for line in (
         "kubectl port-forward -n vsurge-system svc/vsurge-router 8080:80",

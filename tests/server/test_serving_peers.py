@@ -85,6 +85,7 @@ def test_a_peer_is_started_awaited_and_stopped(tmp_path):
 def test_missing_peers_are_skipped_with_a_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no vllm, no llama-server on it
     monkeypatch.delenv("VLLM_BIN", raising=False)
+    monkeypatch.delenv("PEERS", raising=False)
     monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "not-there"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -107,3 +108,34 @@ def test_missing_peers_are_skipped_with_a_reason(tmp_path, monkeypatch):
     (llama,) = peers.discover(serving.parse_args(["--servers", "llama.cpp", "--gguf", str(gguf)]), 64)
     assert llama.argv[0] == str(exe) and llama.argv[llama.argv.index("-np") + 1] == "64"
     assert llama.argv[llama.argv.index("-c") + 1] == str(64 * peers.CONTEXT_PER_SEQUENCE)
+
+
+def test_peers_are_found_under_the_directory_the_reader_chose(tmp_path, monkeypatch):
+    """docs/performance.md installs vLLM and llama-server under $PEERS; the benchmark looks there after the
+    flags and their variables, before PATH."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("VLLM_BIN", raising=False)
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    root = tmp_path / "my peers"
+    for rel in peers.PEERS_LAYOUT.values():
+        exe = root / rel
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    argv = ["--servers", "vllm,llama.cpp", "--gguf", str(gguf), "--hf-model", str(hf)]
+    skipped = peers.discover(serving.parse_args(argv), 8)
+    assert all(isinstance(p, peers.Skipped) and "PEERS" in p.reason for p in skipped)
+    monkeypatch.setenv("PEERS", str(root))
+    vllm, llama = peers.discover(serving.parse_args(argv), 8)
+    assert vllm.argv[0] == str(root / "vllm-venv" / "bin" / "vllm")
+    assert llama.argv[0] == str(root / "llama-build" / "bin" / "llama-server")
+    # a flag still wins over $PEERS
+    other = tmp_path / "other-vllm"
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    (vllm,) = peers.discover(serving.parse_args([*argv[:1], "vllm", *argv[2:], "--vllm", str(other)]), 8)
+    assert vllm.argv[0] == str(other)

@@ -9,7 +9,7 @@ AbstractDriver ...) are names too, checked for import from `vsurge`.
 
 `check(names)` gives each name a status: ``same`` (exists, with the seed's kind, positional order and
 defaults; extra arguments with defaults, keyword-only ones and a default where the seed has none are
-compatible), ``other signature`` or ``missing``. The README's "Differences from the seed" table adds
+compatible), ``other signature`` or ``missing``. docs/seed.md's "Differences from the seed" table adds
 ``renamed`` and ``behaves differently``, which `inspect` cannot see; tests/service/test_seed_conformance.py
 requires every name that is not ``same`` to be there.
 
@@ -30,7 +30,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 SEED_DOC = Path(os.environ.get("VSURGE_SEED_DOC", REPO.parent / "shared" / "seed" / "vsurge-api.txt"))
-README = REPO / "README.md"
+DIFF_DOC = REPO / "docs" / "seed.md"  # the "Differences from the seed" table
 
 _CLASS = re.compile(r"^class easydel\.inference\.vsurge\.__init__\.(\w+)\((.*)\)$")
 _METHOD = re.compile(r"^(async |classmethod |staticmethod )?([A-Za-z_]\w*)\((.*)\)(?: → (.+))?$")
@@ -70,7 +70,7 @@ class Param:
 
 @dataclass
 class SeedName:
-    """One name of the seed: ``key`` as the README's table writes it (``vSurge``, ``vSurge(driver)``,
+    """One name of the seed: ``key`` as docs/seed.md's table writes it (``vSurge``, ``vSurge(driver)``,
     ``vSurge.generate``)."""
 
     key: str
@@ -288,15 +288,15 @@ def check(names: list[SeedName]) -> list[tuple[SeedName, str, str]]:
     return [(n, *check_one(n, vsurge)) for n in names]
 
 
-# ------------------------------------------------------------------------------------------ the README
+# ------------------------------------------------------------------------------ the differences table
 
 
-DIFF_HEADING = "### Differences from the seed"
+DIFF_HEADING = "## Differences from the seed"
 STATUSES = ("same", "renamed", "other signature", "behaves differently", "missing")
 
 
 def differences(readme: str) -> dict[str, tuple[str, str]]:
-    """The README's differences table: name -> (status, reason); a row may name several (`a`, `b`)."""
+    """docs/seed.md's differences table: name -> (status, reason); a row may name several (`a`, `b`)."""
     start = readme.index(DIFF_HEADING)
     out = {}
     for line in readme[start:].splitlines()[1:]:
@@ -313,7 +313,7 @@ def differences(readme: str) -> dict[str, tuple[str, str]]:
 
 
 def table(results: list[tuple[SeedName, str, str]], diffs: dict[str, tuple[str, str]] | None = None) -> str:
-    """The name-by-name table (the README's status where it gives one) and the counts per status."""
+    """The name-by-name table (docs/seed.md's status where it gives one) and the counts per status."""
     diffs = diffs or {}
     rows, counts = [], Counter()
     for n, status, detail in results:
@@ -327,7 +327,8 @@ def table(results: list[tuple[SeedName, str, str]], diffs: dict[str, tuple[str, 
 def main(argv: list[str]) -> int:
     doc = Path(argv[0]) if argv else SEED_DOC
     results = check(parse(doc.read_text(encoding="utf-8")))
-    diffs = differences(README.read_text(encoding="utf-8")) if DIFF_HEADING in README.read_text() else {}
+    text = DIFF_DOC.read_text(encoding="utf-8")
+    diffs = differences(text) if DIFF_HEADING in text else {}
     print(table(results, diffs))
     return 0
 

@@ -1,4 +1,4 @@
-"""The seed's API, name by name, from its document: every name matches (inspect) or is in the README's
+"""The seed's API, name by name, from its document: every name matches (inspect) or is in docs/seed.md's
 "Differences from the seed" table with its reason; the table lists only names of the seed, and none that
 matches while the table says it does not.
 
@@ -30,7 +30,7 @@ def results(names):
 
 @pytest.fixture(scope="module")
 def diffs() -> dict[str, tuple[str, str]]:
-    return sc.differences(sc.README.read_text(encoding="utf-8"))
+    return sc.differences(sc.DIFF_DOC.read_text(encoding="utf-8"))
 
 
 def test_the_document_parses_into_its_classes_and_members(names):
@@ -75,7 +75,7 @@ def test_every_name_matches_or_is_a_listed_difference(results, diffs):
         for n, status, detail in results
         if status != "same" and n.key not in diffs
     ]
-    assert not unlisted, "names that differ from the seed and are not in the README's table:\n" + "\n".join(
+    assert not unlisted, "names that differ from the seed and are not in docs/seed.md's table:\n" + "\n".join(
         unlisted
     )
     wrong = [

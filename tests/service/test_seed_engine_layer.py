@@ -193,7 +193,7 @@ def test_result_tokens_on_device_and_host(dense):
 def test_drivers_and_engines_are_the_seeds_protocols():
     assert issubclass(vsurge.vDriver, AbstractDriver) and issubclass(vsurge.oDriver, AbstractDriver)
     assert issubclass(vsurge.vEngine, AbstractInferenceEngine)
-    # oEngine prefills inside its mixed step: no seed prefill/insert (README: differences from the seed)
+    # oEngine prefills inside its mixed step: no seed prefill/insert (docs/seed.md: differences from the seed)
     assert not issubclass(vsurge.oEngine, AbstractInferenceEngine)
     assert not issubclass(vsurge.vSurge, AbstractDriver)
 

@@ -9,8 +9,8 @@ prompt in a slot; `plan` says what the next step runs (every decoding slot, and 
 engine's token budget); a slot's first token comes from the step that runs its prompt's final chunk.
 
 The seed's oEngine also had `prefill` / `insert` / `bulk_insert`; here a prompt is prefilled into the
-state's own pages and seated in its slot by the same step, so there is no prefix between the two (see the
-README's differences from the seed). Sampling keys are per sequence (``admit``'s key), so ``rngs`` of
+state's own pages and seated in its slot by the same step, so there is no prefix between the two (see
+docs/seed.md, differences from the seed). Sampling keys are per sequence (``admit``'s key), so ``rngs`` of
 `decode` is not used.
 """
 

@@ -129,7 +129,12 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("--host", str, "address to bind", "HOST"),
     Option("--port", _int(0, 65535), "port of the OpenAI API, the probes and /metrics", "PORT"),
-    Option("--static-config", str, "YAML file listing models and their upstream URLs (see README)", "FILE"),
+    Option(
+        "--static-config",
+        str,
+        "YAML file listing models and their upstream URLs (see docs/router.md)",
+        "FILE",
+    ),
     Option(
         "--wake-timeout-seconds",
         _float(0, strict=True),
@@ -190,7 +195,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--api-keys-file",
         str,
-        "YAML file of tenants, their API keys, limits and models (see README); without it the router is open",
+        "YAML file of tenants, their API keys, limits and models (see docs/router.md); without it the router is open",
         "FILE",
     ),
     Option("--api-keys-reload-seconds", _float(0), "how often the API keys file is re-read (0: never)", "S"),
