@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from vsurge.drivers import lanes, odriver, pipeline, vdriver
+from vsurge.drivers import dense_slots, lanes, odriver, pipeline, vdriver
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.sampling_params import SamplingParams
 
@@ -39,7 +39,7 @@ def test_lane_messages_are_typed_dataclasses():
     for name in ("PrefilledPack", "Prefilled", "Prepared", "FirstToken", "Step", "Abort", "Preempt"):
         cls = getattr(lanes, name)
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
-    owner = vdriver.SlotOwner(ActiveRequest([1, 2], SamplingParams(max_tokens=1)), 0, 3)
+    owner = dense_slots.SlotOwner(ActiveRequest([1, 2], SamplingParams(max_tokens=1)), 0, 3)
     assert lanes.requests_of(lanes.FirstToken(owner, None)) == [owner.req]
     assert lanes.requests_of(lanes.Step(None, [None, owner, owner])) == [owner.req]
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True, eq=False)
 class SlotOwner:
     """Sample ``index`` of ``req`` in decode slot ``slot`` (its identity is the lease on the slot). Slot
-    None: the sample's first token was streamed before it had a slot (`vDriver._stream_firsts`)."""
+    None: the sample's first token was streamed before it had a slot (`transfer._stream_firsts`)."""
 
     req: ActiveRequest
     index: int

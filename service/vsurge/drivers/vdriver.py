@@ -27,19 +27,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import numpy as np
-
 from ..engine_config import EngineConfig
 from ..engines.prefill_rows import first_fit
-from ..engines.sampling import SampleResult
 from ..engines.vengine import vEngine
 from .active_request import ActiveRequest
-from .dense_slots import DenseSlots, SlotOwner
+from .dense_slots import DenseSlots
 from .inplace_prefill import prefilled_in_step
-from .lanes import Arrived, FirstToken, Prefilled, PrefilledPack
+from .lanes import Arrived, PrefilledPack
 from .metrics import DriverMetrics
 from .pipeline import Pipeline, drain
+from .transfer import transfer_group
 
 log = logging.getLogger(__name__)
 _DEFAULTS = EngineConfig()  # the driver knobs' defaults live in EngineConfig
@@ -322,69 +319,7 @@ class vDriver:  # noqa: N801 - the seed's name
     def _transfer_loop(self) -> None:
         while self.pipeline.live:
             try:
-                pack = self._transfer_q.get(timeout=0.1)
+                packs = [self._transfer_q.get(timeout=0.1)]
             except queue.Empty:
                 continue
-            self._transfer(pack.batch, pack.engine, pack.prefix)
-
-    def _transfer(self, batch: list[ActiveRequest], src: vEngine, prefix) -> None:
-        p = self.pipeline
-        dest = max(self._slots, key=lambda s: len(s.free) - s.lane.backlog.qsize())
-        try:
-            if dest.engine is not src:
-                prefix = jax.device_put(prefix, dest.engine.get_prefix_destination_sharding())
-            jax.block_until_ready(prefix.hidden)
-        except Exception as e:
-            for req in batch:
-                p.fail(req, f"transfer failed: {e}")
-            return
-        now = time.time()
-        firsts = self._stream_firsts(dest, batch, prefix)
-        for j, req in enumerate(batch):
-            req.metadata.prefill_done_at = now
-            if p.put(dest.lane.backlog, Prefilled(req, prefix, j, firsts[j])):
-                p.left_pipeline(req)
-            else:
-                p.finish(req, "abort")
-
-    def _stream_firsts(self, dest: DenseSlots, batch: list[ActiveRequest], prefix) -> list[list | None]:
-        """Sample every sample's first token of a pack now (max_concurrent_prefill per program call) and
-        send each to the lane's detokenizer, ahead of its insert: the client sees it without waiting for
-        the step in flight (or for a free slot). The insert then reuses these tokens, so the output is what
-        sampling at insert gives. A structured request keeps sampling at insert, under its grammar's first
-        mask: None for it (and for every request of the pack when sampling failed here)."""
-        out: list[list | None] = [None] * len(batch)
-        picks = [
-            (j, i)
-            for j, req in enumerate(batch)
-            if getattr(req.params, "grammar", None) is None and not req.cancelled
-            for i in range(req.params.n)
-        ]
-        if not picks:
-            return out
-        engine = dest.engine
-        try:
-            own = engine.entry_keys(prefix)
-            keys = np.stack([own[j] if batch[j].keys is None else batch[j].keys[i] for j, i in picks])
-            m = engine.max_concurrent_prefill
-            rows = []
-            for at in range(0, len(picks), m):
-                part = picks[at : at + m]
-                res = engine.sample_firsts(prefix, [j for j, _ in part], keys[at : at + m])
-                host = [np.asarray(x) for x in res]
-                rows += [SampleResult(*(x[r : r + 1] for x in host)) for r in range(len(part))]
-        except Exception as e:  # the insert samples them instead, and reports a failure there
-            log.warning("first tokens before insert failed, sampling at insert: %s", e)
-            return out
-        for (j, i), first in zip(picks, rows, strict=True):
-            out[j] = out[j] or [None] * batch[j].params.n
-            out[j][i] = first
-        for j, req in enumerate(batch):
-            if out[j] is None:
-                continue
-            for i, first in enumerate(out[j]):
-                # sent before the request reaches the backlog, so it precedes every step holding its tokens
-                if not self.pipeline.put(dest.lane.detok, FirstToken(SlotOwner(req, i, None), first)):
-                    out[j] = None
-                    break
-        return out
+            transfer_group(self, packs + drain(self._transfer_q))
