@@ -61,7 +61,7 @@ def validate(c: Any, spec: Mapping[str, Any], served_name: Any) -> None:
         return
     if len(raw) > MAX_ADAPTERS:
         c.fail("spec.adapters", f"at most {MAX_ADAPTERS} adapters (got {len(raw)})")
-    seen: set[str] = set()
+    seen: dict[str, int] = {}
     for i, item in enumerate(raw):
         path = f"spec.adapters[{i}]"
         if not isinstance(item, Mapping):
@@ -77,11 +77,15 @@ def validate(c: Any, spec: Mapping[str, Any], served_name: Any) -> None:
             c.fail(f"{path}.source", f"must be at most {SOURCE_MAX_LENGTH} characters")
         if not isinstance(name, str):
             continue
+        # Named on the list, as the CRD's CEL rules name it.
         if name in seen:
-            c.fail(f"{path}.name", f"duplicate adapter name {name!r}")
-        seen.add(name)
+            c.fail("spec.adapters", f"adapter names must be unique: {name!r} is items {seen[name]} and {i}")
+        seen.setdefault(name, i)
         if name == served_name:
-            c.fail(f"{path}.name", f"{name!r} is the model's served name; an adapter needs a name of its own")
+            c.fail(
+                "spec.adapters",
+                f"adapters[{i}] is named {name!r}, the model's served name; an adapter needs a name of its own",
+            )
 
 
 def _claim(source: str) -> tuple[str, str] | None:
