@@ -12,7 +12,7 @@ table, every `interval` seconds, beside the `/load` poll:
 
 The pod's metrics are on its metrics port: `vsurge serve` puts them on the HTTP port + 1 (the operator's
 pods: 11556 and 11557), other servers (vLLM) on the HTTP port itself; both are tried, and the one that
-answered is kept for the pod.
+answered is kept for the pod. /metrics is read only from pods that list an adapter.
 
 `adapter_candidates` (pure) narrows a request's candidates to the pods that have its adapter, best first:
 in use there (running or waiting), else listed with a free adapter slot, else listed; only pods under the
@@ -109,13 +109,14 @@ def parse_lora_info(text: str) -> tuple[frozenset[str], frozenset[str], int] | N
 
 
 def metrics_urls(upstream: str) -> list[str]:
-    """Where a pod's /metrics may be: HTTP port + 1 (`vsurge serve`), then the HTTP port itself."""
+    """Where a pod's /metrics may be: the HTTP port itself (vLLM; `vsurge serve` answers 404 there unless
+    its metrics port is off), then the HTTP port + 1 (`vsurge serve`'s metrics port). The one that answers
+    is remembered, so the first costs one request once."""
     parts = urlsplit(upstream)
-    out = []
+    out = [f"{upstream}/metrics"]
     if parts.port is not None and parts.port < 65535 and parts.hostname:
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         out.append(urlunsplit((parts.scheme, f"{host}:{parts.port + 1}", "/metrics", "", "")))
-    out.append(f"{upstream}/metrics")
     return out
 
 
