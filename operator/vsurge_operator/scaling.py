@@ -37,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 OCCUPANCY_SERIES = specmod.PROMETHEUS_SERIES[specmod.METRIC_SLOT_OCCUPANCY]
 QUEUE_SERIES = specmod.PROMETHEUS_SERIES[specmod.METRIC_PREFILL_QUEUE]
-# status.adapters is refreshed at most this often (a pod list and one GET /v1/models per ready pod).
-ADAPTER_STATUS_SECONDS = 15.0
 
 
 def _round(value: float | None) -> float | None:
@@ -157,12 +155,16 @@ class ModelAutoscaler:
         self, body: Mapping[str, Any], model: Any, pods: list[Any] | None = None, now: float | None = None
     ) -> None:
         """status.adapters from the ready pods' /v1/models, for a model with spec.adapters (or that had
-        them: the list empties when they are removed), every ADAPTER_STATUS_SECONDS at most."""
+        them: the list empties when they are removed), every config.adapter_status_seconds at most (a pod
+        list and one GET /v1/models per ready pod)."""
         previous = (body.get("status") or {}).get("adapters")
         if not model.adapters and not previous:
             return
         now = time.monotonic() if now is None else now
-        if self._adapters_read_at is not None and now - self._adapters_read_at < ADAPTER_STATUS_SECONDS:
+        if (
+            self._adapters_read_at is not None
+            and now - self._adapters_read_at < self.config.adapter_status_seconds
+        ):
             return
         self._adapters_read_at = now
         if pods is None:
