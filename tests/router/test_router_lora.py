@@ -281,3 +281,52 @@ def test_router_models_lists_adapters_with_their_parent(upstreams, start_router,
         ),
         what="runtime-one gone",
     )
+
+
+def test_a_request_for_an_adapter_wakes_its_model_at_zero() -> None:
+    import asyncio
+
+    from test_router_wake import TARGET, FakeScaler, _backend
+
+    from vsurge.router.wake import Waker
+
+    async def scenario() -> tuple[list, tuple[str, ...]]:
+        table = EndpointTable()
+        table.upsert(_backend())  # model "m", 0 replicas
+        table.set_aliases("k8s:models", {"sql": "m"})  # its spec.adapters
+        scaler = FakeScaler()
+        held = asyncio.create_task(Waker(table, scaler, timeout_s=5).upstreams_for("sql"))
+        await asyncio.sleep(0.05)
+        table.upsert(_backend(("http://r:1",), desired=1))
+        return scaler.calls, await held
+
+    calls, upstreams = asyncio.run(scenario())
+    assert calls == [(TARGET, 1)] and upstreams == ("http://r:1",)
+
+
+def test_inference_model_adapters_are_routed_through_the_watch(cluster, upstreams, start_router) -> None:
+    from vsurge_operator import kube as operator_kube
+
+    im = operator_kube.INFERENCE_MODEL
+    pod = upstreams("pod")  # lists no adapter itself: the names come from spec.adapters
+    api = cluster.client()
+    obj = inference_model("llama", served="llama-chat", ready=1, endpoint=pod.url)
+    obj["spec"]["adapters"] = [{"name": "sql", "source": "hf://o/sql"}]
+    api.create(im, "models", obj)
+    router = start_router(api_client=cluster.api_client(), kubernetes=True, **FAST)
+
+    def ids() -> dict[str, str | None]:
+        return {
+            m["id"]: m.get("parent") for m in httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"]
+        }
+
+    wait_for(lambda: ids() == {"llama-chat": None, "sql": "llama-chat"}, what="sql listed from the list")
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": "sql", "prompt": "x"}, timeout=10)
+    assert r.json() == {"upstream": "pod", "path": "/v1/completions", "model": "sql"}
+    # Edited (a watch event): the new adapter is routable, the removed one is not.
+    api.patch(im, "models", "llama", {"spec": {"adapters": [{"name": "chat", "source": "hf://o/chat"}]}})
+    wait_for(lambda: ids() == {"llama-chat": None, "chat": "llama-chat"}, what="chat replaces sql")
+    gone = httpx.post(f"{router.url}/v1/completions", json={"model": "sql", "prompt": "x"}, timeout=10)
+    assert gone.status_code == 404
+    api.delete(im, "models", "llama")
+    wait_for(lambda: ids() == {}, what="model and adapters gone")
