@@ -221,6 +221,9 @@ def test_requests_for_an_adapter_go_to_the_pod_that_runs_it(upstreams, start_rou
     assert metric_value(text, "vsurge_router_adapter_picks_total", model="sql", how="in_use") >= 6
     assert metric_value(text, "vsurge_router_adapter_picks_total", model="chat", how="listed") == 6
     assert metric_value(text, "vsurge_router_adapter_picks_total", model="alpha", how="any") == 0
+    # Requests are counted per adapter (the model label takes the adapter's name), apart from the base.
+    assert metric_value(text, "vsurge_router_requests_total", model="chat", code="200") == 6
+    assert metric_value(text, "vsurge_router_requests_total", model="alpha", code="200") == 9
 
 
 def test_adapter_affinity_yields_to_the_load_bound(upstreams, start_router, tmp_path) -> None:
