@@ -25,6 +25,8 @@ class OperatorConfig:
     api_timeout_seconds: float = 30.0
     # How often a model with autoscaling disabled is checked for it being enabled (no API calls).
     autoscaler_idle_poll_seconds: float = 2.0
+    # How often status.adapters (LoRA) is refreshed from the ready pods' /v1/models, at most.
+    adapter_status_seconds: float = 15.0
     # kopf peering: a peer silent for this long is dead, and a standby replica takes over (kopf's own
     # default is 60 s; a shorter one bounds the failover, at one keep-alive patch every 5-10 s).
     peering_lifetime_seconds: int = 15
@@ -60,6 +62,7 @@ class OperatorConfig:
             autoscaler_idle_poll_seconds=num(
                 "VSURGE_OPERATOR_AUTOSCALER_IDLE_POLL_SECONDS", d.autoscaler_idle_poll_seconds
             ),
+            adapter_status_seconds=num("VSURGE_OPERATOR_ADAPTER_STATUS_SECONDS", d.adapter_status_seconds),
             peering_lifetime_seconds=int(
                 num("VSURGE_OPERATOR_PEERING_LIFETIME_SECONDS", d.peering_lifetime_seconds)
             ),

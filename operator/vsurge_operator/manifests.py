@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vsurge_operator import compile_cache, crd, gpu, lane, podsecurity, rollout, tpu
+from vsurge_operator import adapters, compile_cache, crd, gpu, lane, podsecurity, rollout, tpu
 from vsurge_operator.spec import HTTP_PORT, METRICS_PORT, ModelSpec
 
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -235,12 +235,19 @@ def container(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": podsecurity.container_security_context(),
     }
+    # LoRA adapters as flags (spec.adapters; adapters.py says why args and why a change rolls the pods).
+    lora_args = adapters.args(
+        model.adapters, model.source, MODEL_MOUNT, model.engine.max_loras, model.engine.max_lora_rank
+    )
+    if lora_args:
+        c["args"] = lora_args
     if model.compile_cache is not None:
         c["volumeMounts"].append(compile_cache.mount(CACHE_DIR))
     if model.image_pull_policy:
         c["imagePullPolicy"] = model.image_pull_policy
     if pvc_claim(model.source):
         c["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    c["volumeMounts"] += adapters.mounts(model.adapters, model.source)
     if model.credentials_secret:
         # Every key of the Secret that is a valid variable name becomes one (AWS_*, HF_TOKEN, ...); the
         # files (a GCS key.json) are mounted too.
@@ -317,6 +324,7 @@ def pod_template(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
         pod_spec["volumes"].append(
             {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
         )
+    pod_spec["volumes"] += adapters.volumes(model.adapters, model.source)
     sel = node_selector(model)
     if sel:
         pod_spec["nodeSelector"] = sel

@@ -18,7 +18,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from vsurge_operator import kube, manifests, scraper, status, tracing, validation
+from vsurge_operator import adapters, kube, manifests, scraper, status, tracing, validation
 from vsurge_operator import spec as specmod
 from vsurge_operator.autoscaler import (
     Decision,
@@ -51,6 +51,7 @@ class ModelAutoscaler:
         self.config = config
         self.events = events
         self.history = History()
+        self._adapters_read_at: float | None = None
 
     def reset(self) -> None:
         self.history = History()
@@ -69,10 +70,12 @@ class ModelAutoscaler:
             # no scaling; still read once per spec generation what the pods' engines run (status.engine)
             if ((body.get("status") or {}).get("engine") or {}).get("generation") != generation:
                 await self._read_engine(body, model, generation)
+            await self._read_adapters(body, model)
             return None
         pods = await asyncio.to_thread(
             self.api.list, kube.POD, model.namespace, manifests.selector_string(model)
         )
+        await self._read_adapters(body, model, pods)
         targets = scraper.scrape_targets(
             pods, manifests.selector_labels(model), leaders_only=model.multi_host
         )
@@ -147,6 +150,48 @@ class ModelAutoscaler:
         engine = scraper.engine_status(results)
         if engine is not None:
             await asyncio.to_thread(self._write_engine, body, {**engine, "generation": generation})
+
+    async def _read_adapters(
+        self, body: Mapping[str, Any], model: Any, pods: list[Any] | None = None, now: float | None = None
+    ) -> None:
+        """status.adapters from the ready pods' /v1/models, for a model with spec.adapters (or that had
+        them: the list empties when they are removed), every config.adapter_status_seconds at most (a pod
+        list and one GET /v1/models per ready pod)."""
+        previous = (body.get("status") or {}).get("adapters")
+        if not model.adapters and not previous:
+            return
+        now = time.monotonic() if now is None else now
+        if (
+            self._adapters_read_at is not None
+            and now - self._adapters_read_at < self.config.adapter_status_seconds
+        ):
+            return
+        self._adapters_read_at = now
+        if pods is None:
+            pods = await asyncio.to_thread(
+                self.api.list, kube.POD, model.namespace, manifests.selector_string(model)
+            )
+        by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
+        targets = scraper.scrape_targets(
+            pods, manifests.selector_labels(model), leaders_only=model.multi_host
+        )
+        urls = [
+            adapters.models_url(t.url, adapters.http_port(by_name.get(t.pod) or {}, specmod.HTTP_PORT))
+            for t in targets
+            if t.ready and t.url
+        ]
+        listings = await adapters.read_pods(urls, timeout=self.config.scrape_timeout_seconds)
+        entries = adapters.status_entries(model.adapters, listings)
+        if entries != previous:
+            await asyncio.to_thread(self._patch_status, body, {"adapters": entries})
+
+    def _patch_status(self, body: Mapping[str, Any], patch: dict[str, Any]) -> None:
+        namespace, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
+        try:
+            self.api.patch(kube.INFERENCE_MODEL, namespace, name, {"status": patch}, subresource="status")
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def _write_engine(self, body: Mapping[str, Any], engine: dict[str, Any] | None) -> None:
         previous = body.get("status") or {}

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vsurge_operator import adapters as adaptersmod
 from vsurge_operator import gpu, tpu
 
 HTTP_PORT = 11556
@@ -46,6 +47,8 @@ class EngineSpec:
     kv_cache_dtype: str | None = None
     prefill_dtype: str | None = None
     decode_dtype: str | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ class ModelSpec:
     drain_seconds: int = DEFAULT_DRAIN_SECONDS
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     compile_cache: CompileCacheSpec | None = None
+    adapters: tuple[adaptersmod.AdapterSpec, ...] = ()  # spec.adapters (LoRA)
 
     @property
     def accelerator(self) -> str:
@@ -200,6 +204,8 @@ _ENGINE_KEYS = {
     "kvCacheDtype": "kv_cache_dtype",
     "prefillDtype": "prefill_dtype",
     "decodeDtype": "decode_dtype",
+    "maxLoras": "max_loras",
+    "maxLoraRank": "max_lora_rank",
 }
 
 
@@ -318,4 +324,5 @@ def parse(body: Mapping[str, Any], *, default_image: str | Mapping[str, str] | N
             max_unavailable=int(rollout.get("maxUnavailable", DEFAULT_MAX_UNAVAILABLE)),
         ),
         compile_cache=compile_cache_from(spec.get("compileCache")),
+        adapters=adaptersmod.adapters_from(spec.get("adapters")),
     )

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vsurge_operator import gpu, podspec_validation, tpu
+from vsurge_operator import adapters, gpu, podspec_validation, tpu
 from vsurge_operator import spec as specmod
 
 # Keep in sync with helm/vsurge/crds/inferencemodels.vsurge.io.yaml (tests compare them).
@@ -57,6 +57,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "spec.engine.maxConcurrentDecodes": (1, 4096),
     "spec.engine.maxLength": (16, 1048576),
     "spec.engine.numSpeculativeTokens": (1, 16),
+    "spec.engine.maxLoras": (1, 1024),
+    "spec.engine.maxLoraRank": (1, 1024),
     "spec.engine.prefillLengths[]": (16, 1048576),
     "spec.autoscaling.minReplicas": (0, 1000),
     "spec.autoscaling.maxReplicas": (1, 1000),
@@ -185,6 +187,8 @@ def validate(
     c.integer(spec.get("replicas"), "spec.replicas")
 
     _validate_engine(c, c.mapping(spec.get("engine"), "spec.engine"))
+    served = (model.get("servedName") or name) if isinstance(model, Mapping) else name
+    adapters.validate(c, spec, served)
     placement = _validate_tpu(c, spec.get("tpu"))
     gpus = _validate_gpu(c, spec.get("gpu"))
     if spec.get("tpu") is not None and spec.get("gpu") is not None:
@@ -213,6 +217,8 @@ def _validate_engine(c: _Checker, engine: Mapping[str, Any]) -> None:
     c.string(engine.get("quantization"), "spec.engine.quantization", choices=QUANTIZATIONS)
     c.string(engine.get("speculative"), "spec.engine.speculative", choices=SPECULATIVE_METHODS)
     c.integer(engine.get("numSpeculativeTokens"), "spec.engine.numSpeculativeTokens")
+    c.integer(engine.get("maxLoras"), "spec.engine.maxLoras")
+    c.integer(engine.get("maxLoraRank"), "spec.engine.maxLoraRank")
     if engine.get("speculative") not in (None, "none") and engine.get("driver") not in (None, "vdriver"):
         c.fail("spec.engine.speculative", "speculative decoding runs on driver vdriver")
     for name, (choices, what) in VDRIVER_DTYPES.items():

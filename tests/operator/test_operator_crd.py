@@ -157,6 +157,15 @@ VALID = {
         compileCache={"size": "20Gi", "storageClassName": "filestore", "accessMode": "ReadWriteMany"},
     ),
     "existing compile cache claim": im(compileCache={"claimName": "jax-cache"}, drainSeconds=0),
+    "lora adapters": im(
+        model={"source": "pvc://weights/llama", "servedName": "llama"},
+        adapters=[
+            {"name": "sql-lora", "source": "hf://org/sql-lora"},
+            {"name": "team/chat:v2", "source": "pvc://weights/adapters/chat"},
+            {"name": "summarize", "source": "s3://bucket/adapters/summarize"},
+        ],
+        engine={"maxLoras": 4, "maxLoraRank": 16},
+    ),
 }
 
 
@@ -255,6 +264,17 @@ BAD = [
         "spec.podTemplate.metadata.labels.team",
         with_field(BASE, "spec.podTemplate", {"metadata": {"labels": {"team": "not a value"}}}),
     ),
+    ("spec.adapters[0].name", with_field(BASE, "spec.adapters", [{"name": "a=b", "source": "hf://o/a"}])),
+    ("spec.adapters[0].name", with_field(BASE, "spec.adapters", [{"source": "hf://o/a"}])),
+    ("spec.adapters[0].source", with_field(BASE, "spec.adapters", [{"name": "a", "source": "default"}])),
+    ("spec.adapters[0].source", with_field(BASE, "spec.adapters", [{"name": "a", "source": "ftp://h/a"}])),
+    ("spec.adapters[0].source", with_field(BASE, "spec.adapters", [{"name": "a"}])),
+    (
+        "spec.adapters",
+        with_field(BASE, "spec.adapters", [{"name": f"a{i}", "source": "hf://o/a"} for i in range(65)]),
+    ),
+    ("spec.engine.maxLoras", with_field(BASE, "spec.engine.maxLoras", 0)),
+    ("spec.engine.maxLoraRank", with_field(BASE, "spec.engine.maxLoraRank", 4096)),
     ("spec.compileCache.size", with_field(BASE, "spec.compileCache", {"size": "lots"})),
     (
         "spec.compileCache.accessMode",
@@ -299,6 +319,14 @@ def test_cross_field_rules_are_left_to_the_operator():
 # Rules the JSON-schema validator cannot run (CEL, on the real API server: tests/cluster) that the operator
 # also enforces.
 CEL_ONLY = [
+    (
+        "spec.adapters",
+        with_field(
+            BASE, "spec.adapters", [{"name": "a", "source": "hf://o/a"}, {"name": "a", "source": "gs://b/a"}]
+        ),
+    ),
+    # an adapter named like the base model (spec.model.servedName, else metadata.name) is unreachable
+    ("spec.adapters", with_field(BASE, "spec.adapters", [{"name": "llama-3-8b", "source": "hf://o/a"}])),
     ("spec.rollout", with_field(BASE, "spec.rollout", {"surge": 0, "maxUnavailable": 0})),
     ("spec.compileCache", with_field(BASE, "spec.compileCache", {})),
     ("spec.compileCache", with_field(BASE, "spec.compileCache", {"claimName": "c", "size": "1Gi"})),
@@ -391,6 +419,21 @@ def test_pod_field_rules_match_the_operator():
             if part.endswith("[]"):
                 node = node["items"]
         assert (node.get("minimum"), node.get("maximum")) == (lo, hi), key
+
+
+def test_adapter_rules_match_the_operator():
+    from vsurge_operator import adapters
+
+    node = SPEC["adapters"]
+    item = node["items"]["properties"]
+    assert item["name"]["pattern"] == adapters.NAME_PATTERN == validation.SERVED_NAME_PATTERN
+    assert item["name"]["maxLength"] == adapters.NAME_MAX_LENGTH
+    assert item["source"]["pattern"] == adapters.SOURCE_PATTERN
+    assert item["source"]["maxLength"] == adapters.SOURCE_MAX_LENGTH
+    assert node["maxItems"] == adapters.MAX_ADAPTERS
+    # every model source scheme but "default" (the bundled base model)
+    assert validation.SOURCE_PATTERN.replace("default|", "") == adapters.SOURCE_PATTERN
+    assert node["x-kubernetes-validations"][0]["rule"] == "self.all(a, self.exists_one(b, b.name == a.name))"
 
 
 def test_mesh_length_matches_the_operator():

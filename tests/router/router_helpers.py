@@ -116,6 +116,12 @@ class FakeUpstream:
     gate: threading.Event | None = None
     load: dict[str, Any] | None = None
     drop: bool = False
+    # LoRA (the server's adapter contract): `adapters` lists them in GET /v1/models with `parent` = `base`
+    # (None: no such route, as before); `lora_info` is (running, waiting, max_lora) for the
+    # `vllm:lora_requests_info` gauge at GET /metrics on this same port (None: no gauge).
+    adapters: list[str] | None = None
+    base: str = "alpha"
+    lora_info: tuple[list[str], list[str], int] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     open: int = 0
     cancelled: int = 0
@@ -237,13 +243,39 @@ class FakeUpstream:
             return JSONResponse({"detail": "Not Found"}, 404)
         return JSONResponse(self.load)
 
+    async def models_route(self, request: Request) -> Response:
+        if self.adapters is None:
+            return JSONResponse({"detail": "Not Found"}, 404)
+        data = [{"id": self.base, "object": "model", "owned_by": "vsurge"}]
+        data += [
+            {"id": a, "object": "model", "parent": self.base, "root": f"/adapters/{a}"} for a in self.adapters
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def metrics_route(self, request: Request) -> Response:
+        if self.lora_info is None:
+            return JSONResponse({"detail": "Not Found"}, 404)
+        running, waiting, max_lora = self.lora_info
+        text = (
+            "# TYPE vllm:lora_requests_info gauge\n"
+            f'vllm:lora_requests_info{{max_lora="{max_lora}",running_lora_adapters="{",".join(running)}",'
+            f'waiting_lora_adapters="{",".join(waiting)}"}} 1.7e9\n'
+        )
+        return Response(text, media_type="text/plain")
+
     def app(self) -> Any:
         paths = ["/v1/chat/completions", "/v1/completions", "/v1/count_tokens", "/tokenize", "/detokenize"]
         routes = [Route(p, self.handle, methods=["POST"]) for p in paths]
-        inner = Starlette(routes=[*routes, Route("/load", self.load_route, methods=["GET"])])
+        polled = [
+            Route("/load", self.load_route, methods=["GET"]),
+            Route("/v1/models", self.models_route, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
+        ]
+        inner = Starlette(routes=[*routes, *polled])
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] == "http" and self.drop and scope["path"] != "/load":
+            # The router's polls (GET /load, /v1/models, /metrics) are answered; requests are dropped.
+            if scope["type"] == "http" and self.drop and scope["method"] == "POST":
                 # Headers out, then the connection goes: the router has not relayed a byte yet.
                 self.requests.append({"path": scope["path"], "headers": {}, "body": {}, "query": ""})
                 await send({"type": "http.response.start", "status": 200, "headers": []})

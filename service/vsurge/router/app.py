@@ -117,13 +117,16 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
 
 
 def model_card(view: ModelView) -> dict[str, Any]:
-    return {
+    card: dict[str, Any] = {
         "id": view.name,
         "object": "model",
         "created": view.created,
         "owned_by": "vsurge",
         "ready": bool(view.upstreams),
     }
+    if view.base is not None:  # a LoRA adapter, as `vsurge serve` lists it: `parent` is the base model
+        card["parent"] = view.base
+    return card
 
 
 class Router:
@@ -174,7 +177,8 @@ class Router:
         tenant = self.gate.authenticate(request.headers)
         if isinstance(tenant, Response):
             return tenant
-        cards = [model_card(v) for v in self.table.models() if self.gate.may_use(tenant, v.name)]
+        views = [*self.table.models(), *self.table.adapters()]
+        cards = [model_card(v) for v in views if self.gate.may_use(tenant, v.name)]
         return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
@@ -199,8 +203,10 @@ class Router:
             return self._done("", parsed, tenant)
         payload, body = parsed
         model = payload["model"]
-        if self.table.lookup(model) is None or not self.gate.may_use(tenant, model):
+        view = self.table.lookup(model)
+        if view is None or not self.gate.may_use(tenant, model):
             return self._done("", self.gate.not_found(model), tenant)
+        base = view.base
         refused = self.gate.admit(tenant)
         if refused is not None:
             return self._done(model, refused, tenant)
@@ -246,7 +252,7 @@ class Router:
             if self.gate.enabled:  # the tenant's key is the router's business, not the pod's
                 headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
             headers = self.tracing.outgoing_headers(span, headers)
-            hashes = self._hashes(request.url.path, payload, model, upstreams)
+            hashes = self._hashes(request.url.path, payload, model, upstreams, base)
             response = await until_disconnect(
                 request,
                 self.forwarder.forward(
@@ -259,6 +265,7 @@ class Router:
                     body,
                     hashes=hashes,
                     scanner=scanner,
+                    base=base,
                 ),
             )
         except ClientGone:
@@ -309,9 +316,9 @@ class Router:
         return payload, body
 
     def _hashes(
-        self, path: str, payload: dict[str, Any], model: str, upstreams: tuple[str, ...]
+        self, path: str, payload: dict[str, Any], model: str, upstreams: tuple[str, ...], base: str | None
     ) -> list[bytes]:
-        if self.forwarder.picker.policy_for(model, upstreams) != "prefix":
+        if self.forwarder.picker.policy_for(base or model, upstreams) != "prefix":
             return []
         return request_hashes(path, payload, model, self.prefix_block_bytes, self.prefix_max_blocks)
 
@@ -372,6 +379,7 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
     `tracer_provider` the OTEL_* environment."""
     from .kube import KubeDiscovery, KubeScaler, load_api_client
     from .loadpoll import LoadBook, LoadPoller
+    from .lora import AdapterBook, AdapterPoller
     from .picker import Picker
     from .picking import LoadTracker
     from .slices import EndpointSliceDiscovery
@@ -421,6 +429,15 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
         )
         clients.append(poll_client)
         sources.append(LoadPoller(poll_client, book, tracker, metrics, interval=cfg.load_poll_seconds))
+    adapter_book = AdapterBook(stale_after=max(2.0, 5 * cfg.lora_poll_seconds))
+    if cfg.lora_poll_seconds > 0:
+        lora_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(1.0, connect=min(1.0, cfg.connect_timeout_seconds)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30),
+            trust_env=False,
+        )
+        clients.append(lora_client)
+        sources.append(AdapterPoller(lora_client, adapter_book, interval=cfg.lora_poll_seconds))
     picker = Picker(
         tracker,
         book,
@@ -428,6 +445,7 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
         eps=cfg.prefix_epsilon,
         key_blocks=cfg.prefix_key_blocks,
         index_capacity=cfg.prefix_index_size,
+        adapters=adapter_book,
     )
     forwarder = Forwarder(client, picker, metrics, cfg.max_attempts)
     waker = Waker(table, scaler, cfg.wake_timeout_seconds, metrics)

@@ -41,6 +41,7 @@ class RouterConfig:
     prefix_key_blocks: int = 4
     prefix_index_size: int = 65536
     load_poll_seconds: float = 0.2
+    lora_poll_seconds: float = 1.0
     endpoint_slices: bool = True
     api_keys_file: str | None = None
     api_keys_reload_seconds: float = 5.0
@@ -190,6 +191,13 @@ OPTIONS: tuple[Option, ...] = (
         "--load-poll-seconds",
         _float(0),
         "how often each pod's GET /load is polled (0: never; pods are then compared by in-flight counts)",
+        "S",
+    ),
+    Option(
+        "--lora-poll-seconds",
+        _float(0),
+        "how often each pod's LoRA adapters (GET /v1/models, the vllm:lora_requests_info gauge) are read "
+        "(0: never; adapters are then routed by the InferenceModels' spec.adapters and the static file only)",
         "S",
     ),
     Option(

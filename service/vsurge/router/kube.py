@@ -1,6 +1,7 @@
 """Discovery from the Kubernetes API: InferenceModels (vsurge.io/v1alpha1), listed then watched.
 
-An InferenceModel becomes one `Backend`: its served name (`spec.model.servedName`, default the object's
+An InferenceModel becomes one `Backend`, and its LoRA adapters (spec.adapters) aliases of its served name
+(table.set_aliases: a request naming an adapter goes to the model's pods): its served name (`spec.model.servedName`, default the object's
 name), its Service (named after the object, in its namespace: the EndpointSlice watch in slices.py turns
 it into the ready pods), its fallback upstream (`status.endpoint`, the Service URL, used only until the
 EndpointSlices of its namespace are known) when `status.readyReplicas` > 0, and a wake target (the
@@ -92,6 +93,35 @@ def backend_from_object(obj: Mapping[str, Any], group: str) -> Backend | None:
     )
 
 
+def aliases_from_object(obj: Mapping[str, Any]) -> dict[str, str]:
+    """An InferenceModel's LoRA adapters (spec.adapters names) -> its served name; {} when being deleted."""
+    meta = obj.get("metadata") or {}
+    if not meta.get("name") or meta.get("deletionTimestamp"):
+        return {}
+    spec = obj.get("spec") or {}
+    served = str((spec.get("model") or {}).get("servedName") or meta["name"])
+    out = {}
+    for a in spec.get("adapters") or ():
+        name = a.get("name") if isinstance(a, Mapping) else None
+        if isinstance(name, str) and name and name != served:
+            out[name] = served
+    return out
+
+
+def merge_aliases(per_object: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """One group's aliases from each object's; an adapter name two models claim goes to the first key."""
+    out: dict[str, str] = {}
+    for key in sorted(per_object):
+        for alias, served in per_object[key].items():
+            if alias in out and out[alias] != served:
+                log.warning(
+                    "adapter %s is in two InferenceModels; routed to %s, not %s", alias, out[alias], served
+                )
+                continue
+            out[alias] = served
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- edges
 
 
@@ -124,6 +154,8 @@ class KubeDiscovery(ListWatcher):
 
         super().__init__(namespaces, **kwargs)
         self.api = kubernetes.client.CustomObjectsApi(api_client)
+        # group -> backend key -> that InferenceModel's adapters (each group is one watch thread's)
+        self._adapters: dict[str, dict[str, dict[str, str]]] = {}
 
     def list_call(self, namespace: str | None) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
         if namespace is None:
@@ -139,16 +171,29 @@ class KubeDiscovery(ListWatcher):
         group = group_for(namespace)
         backends = [b for b in (backend_from_object(o, group) for o in items) if b is not None]
         post(table.replace_group, group, backends)
+        self._adapters[group] = {}
+        for o in items:
+            meta = o.get("metadata") or {}
+            if meta.get("name") and meta.get("namespace"):
+                self._adapters[group][backend_key(meta["namespace"], meta["name"])] = aliases_from_object(o)
+        post(table.set_aliases, group, merge_aliases(self._adapters[group]))
 
     def on_event(
         self, namespace: str | None, kind: str, obj: dict[str, Any], table: EndpointTable, post: Post
     ) -> None:
+        group = group_for(namespace)
+        meta = obj.get("metadata") or {}
+        if meta.get("name") and meta.get("namespace"):
+            adapters = self._adapters.setdefault(group, {})
+            adapters[backend_key(meta["namespace"], meta["name"])] = (
+                aliases_from_object(obj) if kind != "DELETED" else {}
+            )
+            post(table.set_aliases, group, merge_aliases(adapters))
         if kind in ("ADDED", "MODIFIED"):
-            backend = backend_from_object(obj, group_for(namespace))
+            backend = backend_from_object(obj, group)
             if backend is not None:
                 post(table.upsert, backend)
                 return
-        meta = obj.get("metadata") or {}
         if meta.get("name") and meta.get("namespace"):
             post(table.remove, backend_key(meta["namespace"], meta["name"]))
 

@@ -102,6 +102,13 @@ class RouterMetrics:
             ["model", "policy", "how"],
             registry=r,
         )
+        self.adapter_picks = Counter(
+            "vsurge_router_adapter_picks",
+            "Pods picked for a LoRA adapter's request, by how: in_use (the pod runs the adapter now), listed "
+            "(the pod lists it), any (no pod with it was under the load bound)",
+            ["model", "how"],
+            registry=r,
+        )
         self.load_polls = Counter(
             "vsurge_router_load_polls",
             "GET /load polls of the pods, by outcome: ok, unreachable, error, not_a_report",

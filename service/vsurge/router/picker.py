@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from .hashring import DEFAULT_VNODES, HashRing, bounded_pick, load_bound
 from .loadpoll import LoadBook
-from .picking import LoadTracker, estimated_load, pick_least_load, pick_round_robin, usable
+from .lora import AdapterBook, adapter_candidates
+from .picking import LoadReport, LoadTracker, estimated_load, pick_least_load, pick_round_robin, usable
 
 POLICIES = ("least-load", "prefix", "round-robin")
 
@@ -36,6 +37,7 @@ class Decision:
     upstream: str
     policy: str
     how: str  # prefix_match, prefix_hash, least_load, round_robin
+    adapter: str | None = None  # a LoRA adapter's request: in_use, listed or any (lora.adapter_candidates)
 
 
 class PrefixIndex:
@@ -116,6 +118,7 @@ class Picker:
         key_blocks: int = 4,
         index_capacity: int = 65536,
         vnodes: int = DEFAULT_VNODES,
+        adapters: AdapterBook | None = None,
     ) -> None:
         if routing is not None and routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {routing!r}")
@@ -126,6 +129,7 @@ class Picker:
         self.key_blocks = max(1, key_blocks)
         self.index_capacity = index_capacity
         self.vnodes = vnodes
+        self.adapters = adapters
         self._indexes: dict[str, PrefixIndex] = {}
         self._rings: OrderedDict[tuple[str, ...], HashRing] = OrderedDict()
 
@@ -158,15 +162,40 @@ class Picker:
         upstreams: Sequence[str],
         hashes: Sequence[bytes] = (),
         exclude: Collection[str] = (),
+        base: str | None = None,
     ) -> Decision | None:
-        """The pod for the next attempt of a request for `model`, or None when every pod was tried."""
+        """The pod for the next attempt of a request for `model`, or None when every pod was tried.
+
+        `base`: `model` is an alias (a LoRA adapter) served by `base`'s pods; the policy is the base's, and
+        the pods that have the adapter are preferred within the load bound (lora.adapter_candidates)."""
         reports = self.book.fresh(upstreams) if self.book is not None else {}
         avoid = self.tracker.ejected() | {u for u, r in reports.items() if not r.ready}
         candidates = usable(upstreams, exclude=exclude, avoid=avoid)
         if not candidates:
             return None
-        policy = self.policy_for(model, upstreams)
+        policy = self.policy_for(base or model, upstreams)
         turn = self.tracker.next_turn()
+        in_flight = self.tracker.in_flight
+        affinity = None
+        if base is not None and self.adapters is not None:
+            pods = self.adapters.fresh(candidates)
+            if pods:
+                loads = {c: estimated_load(in_flight.get(c, 0), reports.get(c)) for c in candidates}
+                candidates, affinity = adapter_candidates(model, candidates, pods, loads, self.eps)
+        decision = self._pick(model, policy, candidates, reports, hashes, turn)
+        if decision is None or affinity is None:
+            return decision
+        return Decision(decision.upstream, decision.policy, decision.how, affinity)
+
+    def _pick(
+        self,
+        model: str,
+        policy: str,
+        candidates: list[str],
+        reports: dict[str, LoadReport],
+        hashes: Sequence[bytes],
+        turn: int,
+    ) -> Decision | None:
         in_flight = self.tracker.in_flight
         if policy == "round-robin":
             chosen = pick_round_robin(candidates, turn=turn)

@@ -222,17 +222,21 @@ class Forwarder:
         *,
         hashes: Sequence[bytes] = (),
         scanner: UsageScanner | None = None,
+        base: str | None = None,
     ) -> ProxiedResponse:
-        """Send to the pod the picker chooses, retrying elsewhere; the response is open (stream it)."""
+        """Send to the pod the picker chooses, retrying elsewhere; the response is open (stream it).
+        `base`: `model` is a LoRA adapter of that model (its pods serve it)."""
         tried: list[str] = []
         attempts: list[Attempt] = []
         for attempt in range(self.max_attempts):
-            decision = self.picker.pick(model, upstreams, hashes, exclude=tried)
+            decision = self.picker.pick(model, upstreams, hashes, exclude=tried, base=base)
             if decision is None:
                 break
             upstream = decision.upstream
             tried.append(upstream)
             self.metrics.picks.labels(model, decision.policy, decision.how).inc()
+            if decision.adapter is not None:
+                self.metrics.adapter_picks.labels(model, decision.adapter).inc()
             url = f"{upstream}{path}" + (f"?{query}" if query else "")
             self.tracker.acquire(upstream)
             started = time.perf_counter()

@@ -8,6 +8,7 @@ models:
       - http://127.0.0.1:11566
   - name: qwen
     upstreams: [http://qwen.models.svc.cluster.local:11556]
+    adapters: [qwen-sql, qwen-chat]   # LoRA adapters its replicas serve (`vsurge serve --lora`)
 ```
 
 The file is re-read every few seconds and applied when its content changes (a Kubernetes ConfigMap
@@ -31,7 +32,7 @@ from .table import Backend, EndpointTable, UpstreamURLError, normalize_upstream
 log = logging.getLogger(__name__)
 
 GROUP = "static"
-_MODEL_KEYS = {"name", "upstreams", "replicas"}
+_MODEL_KEYS = {"name", "upstreams", "replicas", "adapters"}
 
 
 class StaticConfigError(ValueError):
@@ -42,6 +43,7 @@ class StaticConfigError(ValueError):
 class StaticModel:
     name: str
     upstreams: tuple[str, ...]
+    adapters: tuple[str, ...] = ()
 
 
 def parse_static_config(data: Any) -> list[StaticModel]:
@@ -64,7 +66,9 @@ def parse_static_config(data: Any) -> list[StaticModel]:
             raise StaticConfigError(f"{where}: expected a mapping with `name` and `upstreams`")
         unknown = set(entry) - _MODEL_KEYS
         if unknown:
-            raise StaticConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected name, upstreams")
+            raise StaticConfigError(
+                f"{where}: unknown key(s) {sorted(unknown)}; expected name, upstreams, adapters"
+            )
         name = entry.get("name")
         if not isinstance(name, str) or not name.strip():
             raise StaticConfigError(f"{where}.name: a non-empty string is required")
@@ -93,8 +97,30 @@ def parse_static_config(data: Any) -> list[StaticModel]:
                 raise StaticConfigError(f"{where}.{key}[{j}]: {e}") from None
             if u not in normalized:
                 normalized.append(u)
-        out.append(StaticModel(name, tuple(normalized)))
+        out.append(StaticModel(name, tuple(normalized), _adapters(entry.get("adapters"), where)))
+    names = {m.name for m in out}
+    owners: dict[str, str] = {}
+    for m in out:
+        for a in m.adapters:
+            if a in names:
+                raise StaticConfigError(f"adapter {a!r} of {m.name}: a model has that name")
+            if a in owners:
+                raise StaticConfigError(f"adapter {a!r} is listed by {owners[a]} and {m.name}")
+            owners[a] = m.name
     return out
+
+
+def _adapters(raw: Any, where: str) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(a, str) and a.strip() for a in raw):
+        raise StaticConfigError(f"{where}.adapters: expected a list of adapter names")
+    return tuple(dict.fromkeys(a.strip() for a in raw))
+
+
+def aliases_of(models: list[StaticModel]) -> dict[str, str]:
+    """Adapter -> the model whose upstreams serve it."""
+    return {a: m.name for m in models for a in m.adapters}
 
 
 def load_static_config(path: str | Path) -> list[StaticModel]:
@@ -139,6 +165,7 @@ class StaticDiscovery:
         self._text = self.path.read_text(encoding="utf-8") if self.path.exists() else None
         models = load_static_config(self.path)
         table.replace_group(GROUP, backends_of(models, self._created))
+        table.set_aliases(GROUP, aliases_of(models))
         log.info("static config %s: %d model(s)", self.path, len(models))
         if self.reload_seconds > 0:
             self._task = asyncio.create_task(self._poll(table), name="vsurge-router-static")
@@ -166,4 +193,5 @@ class StaticDiscovery:
                 log.error("%s; keeping the previous models", e)
                 continue
             table.replace_group(GROUP, backends_of(models, self._created))
+            table.set_aliases(GROUP, aliases_of(models))
             log.info("static config %s reloaded: %d model(s)", self.path, len(models))

@@ -222,6 +222,12 @@ class EndpointTable:
         names = sorted({b.model for b in self._backends.values()})
         return [v for v in (self.lookup(n) for n in names) if v is not None]
 
+    def adapters(self) -> list[ModelView]:
+        """Every alias that resolves (a LoRA adapter on a known model's pods), by name."""
+        names = sorted({a for aliases in self._aliases.values() for a in aliases})
+        views = (self.lookup(n) for n in names)
+        return [v for v in views if v is not None and v.base is not None]
+
     def changed_event(self) -> asyncio.Event:
         """An event set at the next change; take it *before* reading the table to miss nothing."""
         return self._changed
