@@ -5,14 +5,14 @@ way); a flag on the command line wins over the variable, the variable over the d
 (`parse_serve_config(argv, env)`), so it is tested without starting anything; nothing heavy (jax,
 transformers) is imported until a command runs, so `vsurge --help` is instant.
 
-Adding a subcommand (the router's `route`): call `register_subcommand(...)` from a module listed in
-`_PLUGIN_MODULES`; `main` imports those lazily-light modules when it builds the parser.
+Adding a subcommand (the router's `route`): `register_subcommand(...)` here, with the arguments and the
+run function from a module that imports nothing heavy at the top (vsurge/router/cli.py). The cli imports
+its subcommands; they never import the cli.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import runpy
 import sys
@@ -32,6 +32,7 @@ from vsurge.env_options import (
     parse_int,
 )
 from vsurge.multihost.group import parse_address, parse_non_negative
+from vsurge.router import cli as router_cli
 
 DEFAULT_PORT = 11556
 
@@ -373,7 +374,7 @@ def run_serve(cfg: ServeConfig) -> int:
     def startup(api: vSurgeApiServer, say: Callable[[str], None]) -> None:
         say(f"loading model {cfg.model}")
         t0 = time.perf_counter()
-        import vsurge
+        from vsurge.models.loader import load_model
 
         _enable_compilation_cache()
 
@@ -384,9 +385,7 @@ def run_serve(cfg: ServeConfig) -> int:
             mesh = make_mesh(cfg.mesh)
         if leader is not None:
             mesh = leader.mesh(cfg)
-        model, processor = vsurge.load_model(
-            cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization
-        )
+        model, processor = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization)
         load_s = time.perf_counter() - t0
         say(f"loaded {cfg.model_name} in {load_s:.1f}s")
         if leader is not None:
@@ -465,10 +464,6 @@ class Subcommand:
 
 SUBCOMMANDS: dict[str, Subcommand] = {}
 
-# Modules that register extra subcommands when imported. `vsurge route` lives in the router package:
-# vsurge/router/cli.py calls register_subcommand("route", ...). They must import nothing heavy at the top.
-_PLUGIN_MODULES = ("vsurge.router.cli",)
-
 
 def register_subcommand(
     name: str,
@@ -501,17 +496,12 @@ def _run_serve_ns(ns: argparse.Namespace) -> int:
 
 register_subcommand("serve", "run the OpenAI-compatible server", add_serve_arguments, _run_serve_ns)
 register_subcommand("bench", "run a benchmark from benchmarks/", _add_bench_arguments, run_bench)
+# `vsurge route` lives in the router package (vsurge/router/cli.py), which never imports this module
+register_subcommand("route", router_cli.HELP, router_cli.add_route_arguments, router_cli.run_route)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    for mod in _PLUGIN_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            # That subcommand is not part of this build yet; a broken import inside it still fails loudly.
-            if e.name is None or not mod.startswith(e.name):
-                raise
-    from vsurge import __version__
+    from vsurge.version import __version__
 
     parser = argparse.ArgumentParser(prog="vsurge", description="vSurge: JAX LLM serving")
     parser.add_argument("--version", action="version", version=f"vsurge {__version__}")

@@ -13,7 +13,7 @@ import collections
 import heapq
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -22,8 +22,22 @@ from .active_request import ActiveRequest
 from .lanes import Abort, FirstToken
 
 if TYPE_CHECKING:
-    from .dense_slots import DenseSlots
     from .pipeline import StepLoop
+
+
+class SlotTable(Protocol):
+    """What in-place prefill needs from the slots it lives in (`DenseSlots`, which holds it): declared
+    here so that this module does not import the one that imports it."""
+
+    engine: Any  # the decode vEngine (its .mixed does the steps)
+    free: list[int]  # a heap of free slots
+    owners: list[Any]  # slot -> its SlotOwner or None
+    left: Any  # slot -> tokens it may still produce (numpy int64)
+    drafts: Any  # NgramDrafts or None
+
+    def release(self, slot: int) -> None: ...
+
+    def owner_of(self, req: ActiveRequest, index: int, slot: int) -> Any: ...
 
 
 def prefilled_in_step(req: ActiveRequest) -> bool:
@@ -50,7 +64,7 @@ class Prefilling:
 class InPlacePrefill:
     """The prompts one decode lane prefills in its steps (`DenseSlots` holds one when the engine mixes)."""
 
-    def __init__(self, slots: DenseSlots):
+    def __init__(self, slots: SlotTable):
         self.slots = slots
         self.engine = slots.engine
         self.mixed = slots.engine.mixed

@@ -90,11 +90,13 @@ class vDriver:  # noqa: N801 - the seed's name
         self.max_decode_stall = max_decode_stall
         self.pipeline = Pipeline(max_queue_size, detokenizing_blocks)
         self._transfer_q: queue.Queue = queue.Queue(max(4, 2 * len(self._decode_engines)))
+        self._may_prefill = threading.Event()  # interleaved mode: set by the step thread once per step
         self._slots = [
-            DenseSlots(self, e, self.pipeline.new_lane(2 * e.max_concurrent_decodes))
+            DenseSlots(
+                self.pipeline, e, self.pipeline.new_lane(2 * e.max_concurrent_decodes), self._may_prefill
+            )
             for e in self._decode_engines
         ]
-        self._may_prefill = threading.Event()  # interleaved mode: set by the step thread once per step
         self._speculative = any(e.speculator is not None for e in self._decode_engines)
         # max_num_batched_tokens set: the decode steps prefill prompts in place (inplace_prefill.py)
         self._mixed = all(e.mixed is not None for e in self._decode_engines)
