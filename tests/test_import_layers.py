@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "vsurge.request",
             "vsurge.responses",
             "vsurge.protocols",
+            "vsurge.token_budget",
         ),
     ),
     ("structured", ("vsurge.structured",)),

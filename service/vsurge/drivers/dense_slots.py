@@ -344,8 +344,7 @@ class DenseSlots:
                     heapq.heappush(self.free, s)
                 self.pipeline.fail(req, f"insert failed: {e}")
                 continue
-            context = self.engine.max_length - len(req.prompt_ids)
-            budget = context if req.params.max_tokens is None else min(req.params.max_tokens, context)
+            budget = req.budget(self.engine.max_length).tokens
             for i, slot, first in zip(samples, slots, firsts, strict=True):
                 owner = SlotOwner(req, i, slot)
                 self.owners[slot] = owner
@@ -354,7 +353,9 @@ class DenseSlots:
                 self.grammars.sampled(slot, first.tokens)
                 if self.drafts is not None:
                     first_token = int(np.asarray(first.tokens)[0])
-                    self.drafts.start(slot, req.prompt_ids, first_token, req.params, self.engine.max_length)
+                    self.drafts.start(
+                        slot, req.prompt_ids, first_token, req.params, req.budget(self.engine.max_length)
+                    )
                 if not early:
                     loop.send(FirstToken(owner, first))
                 if budget <= 1:  # its first token was its last (a structured request's max_tokens 1)

@@ -130,13 +130,12 @@ class InPlacePrefill:
             req.metadata.prefill_done_at = time.time()
             owner = s.owner_of(req, 0, p.slot)
             s.owners[p.slot] = owner
-            context = max_length - n
-            budget = context if req.params.max_tokens is None else min(req.params.max_tokens, context)
+            budget = req.budget(max_length).tokens
             s.left[p.slot] = budget - 1  # the first token is out
             req.samples[0].slot = p.slot
             if s.drafts is not None:
                 first_token = int(np.asarray(first.tokens)[0])
-                s.drafts.start(p.slot, req.prompt_ids, first_token, req.params, max_length)
+                s.drafts.start(p.slot, req.prompt_ids, first_token, req.params, req.budget(max_length))
             loop.send(FirstToken(owner, first))
             if budget <= 1:
                 s.release(p.slot)
