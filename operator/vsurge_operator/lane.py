@@ -26,7 +26,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vsurge_operator import apply, kube
+from vsurge_operator import apply, kube, labels, podsecurity
 from vsurge_operator.spec import HTTP_PORT, METRICS_PORT, ModelSpec
 
 SECRET_KEY = "lane.key"
@@ -45,13 +45,11 @@ def name(model: ModelSpec) -> str:
 
 
 def _metadata(model: ModelSpec) -> dict[str, Any]:
-    from vsurge_operator import manifests
-
     return {
         "name": name(model),
         "namespace": model.namespace,
-        "labels": manifests.labels(model),
-        "ownerReferences": [manifests.owner_reference(model)],
+        "labels": labels.labels(model),
+        "ownerReferences": [labels.owner_reference(model)],
     }
 
 
@@ -86,15 +84,13 @@ def ensure_secret(api: kube.Kube, model: ModelSpec) -> str:
 
 def network_policy(model: ModelSpec) -> dict[str, Any]:
     """Ingress to the model's pods: from its own pods on any port, from anyone on http and metrics."""
-    from vsurge_operator import manifests
-
-    pods = {**manifests.selector_labels(model), LWS_NAME_LABEL: model.name}
+    pods = {**labels.selector_labels(model), LWS_NAME_LABEL: model.name}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _metadata(model),
         "spec": {
-            "podSelector": {"matchLabels": manifests.selector_labels(model)},
+            "podSelector": {"matchLabels": labels.selector_labels(model)},
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": pods}}]},
@@ -124,9 +120,7 @@ def mount(template: dict[str, Any], model: ModelSpec, secret_version: str | None
         }
     )
     # the image runs as gid 10001: the secret's files must be that group's to be readable at 0440
-    from vsurge_operator.manifests import IMAGE_GID
-
-    spec.setdefault("securityContext", {}).setdefault("fsGroup", IMAGE_GID)
+    spec.setdefault("securityContext", {}).setdefault("fsGroup", podsecurity.IMAGE_GID)
     c = spec["containers"][0]
     c["volumeMounts"].append({"name": VOLUME, "mountPath": SECRET_DIR, "readOnly": True})
     if not any(e["name"] == SECRET_ENV for e in c["env"]):
@@ -167,11 +161,9 @@ def record_failure(api: kube.Kube, pod: Mapping[str, Any], now: str) -> tuple[di
     """A pod of a model just reported a group failure (the operator sees every pod event): put it in the
     model's ``status.lastGroupFailure`` at once, before the LeaderWorkerSet recreates the group and the
     pod's message goes with it. Returns (the model, the message) when something new was recorded."""
-    from vsurge_operator import manifests
-
     found = _failures(pod)
     meta = pod.get("metadata") or {}
-    model = (meta.get("labels") or {}).get(manifests.LABEL_MODEL)
+    model = (meta.get("labels") or {}).get(labels.LABEL_MODEL)
     if not found or not model:
         return None
     message = max(found)[1][:1024]

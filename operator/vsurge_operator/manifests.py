@@ -12,20 +12,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vsurge_operator import adapters, compile_cache, crd, gpu, lane, podsecurity, rollout, tpu
+from vsurge_operator import adapters, compile_cache, gpu, lane, podsecurity, rollout, tpu
+
+# re-exported: the labels and owner reference every object carries live in labels.py (lane.py stamps them too)
+from vsurge_operator.labels import (  # noqa: F401
+    APP_NAME,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_MODEL,
+    LABEL_NAME,
+    LABEL_PART_OF,
+    LWS_API_VERSION,
+    LWS_WORKER_INDEX_LABEL,
+    MANAGER,
+    endpoint,
+    labels,
+    owner_reference,
+    selector_labels,
+    selector_string,
+    serving_selector,
+)
 from vsurge_operator.spec import HTTP_PORT, METRICS_PORT, ModelSpec
-
-LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
-LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
-
-LABEL_MODEL = "vsurge.io/model"
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_PART_OF = "app.kubernetes.io/part-of"
-MANAGER = "vsurge-operator"
-APP_NAME = "vsurge-server"
 
 CONTAINER_NAME = "server"
 CACHE_DIR = "/var/cache/vsurge"
@@ -38,50 +46,6 @@ IMAGE_GID = podsecurity.IMAGE_GID  # the vsurge user's group in the service imag
 STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURE_THRESHOLD = 180
 PROGRESS_DEADLINE_SECONDS = 3600
-
-
-def selector_labels(model: ModelSpec) -> dict[str, str]:
-    """Stable labels that select the model's pods (a Deployment's selector is immutable)."""
-    return {LABEL_NAME: APP_NAME, LABEL_MODEL: model.name}
-
-
-def labels(model: ModelSpec) -> dict[str, str]:
-    return {
-        **selector_labels(model),
-        LABEL_INSTANCE: model.name,
-        LABEL_COMPONENT: "server",
-        LABEL_MANAGED_BY: MANAGER,
-        LABEL_PART_OF: "vsurge",
-    }
-
-
-def selector_string(model: ModelSpec) -> str:
-    """The pod selector in ``key=value,...`` form, published as ``.status.selector`` for the scale subresource."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(model).items()))
-
-
-def serving_selector(model: ModelSpec) -> dict[str, str]:
-    """Pods that answer HTTP: every pod of a Deployment, only the leaders of a LeaderWorkerSet."""
-    sel = selector_labels(model)
-    if model.multi_host:
-        sel[LWS_WORKER_INDEX_LABEL] = "0"
-    return sel
-
-
-def endpoint(model: ModelSpec) -> str:
-    """In-cluster URL of the model's Service, read by the router from ``.status.endpoint``."""
-    return f"http://{model.name}.{model.namespace}.svc.cluster.local:{HTTP_PORT}"
-
-
-def owner_reference(model: ModelSpec) -> dict[str, Any]:
-    return {
-        "apiVersion": crd.API_VERSION,
-        "kind": crd.KIND,
-        "name": model.name,
-        "uid": model.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
 
 
 def _metadata(model: ModelSpec) -> dict[str, Any]:

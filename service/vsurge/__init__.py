@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from vsurge.version import __version__
 
 _LAZY = {
     "load_model": "vsurge.models.loader",

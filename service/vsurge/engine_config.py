@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from .env_options import parse_choice, parse_float, parse_int, parse_int_list
@@ -106,13 +106,6 @@ def _fraction(v: Any) -> float:
     return v
 
 
-def _non_negative(v: Any) -> float:
-    v = _number(v)
-    if v < 0:
-        raise ValueError(f"must be >= 0, got {v}")
-    return v
-
-
 def _lengths(v: Any) -> tuple[int, ...]:
     if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
         raise ValueError(f"expected a list of integers, got {v!r}")
@@ -167,6 +160,16 @@ VDRIVER_ONLY = {
     "kv_cache_dtype": "dense cache, not {driver}'s pages",
     "prefill_dtype": "packed prefill, not {driver}'s",
     "decode_dtype": "decode step, not {driver}'s",
+}
+
+
+# Knobs that did nothing and were removed (issue 31): name -> why, and what to use. Giving one is an error
+# that says so (EngineConfig(...), .replace, the engines' and vSurge.create_*'s keywords).
+REMOVED_KNOBS = {
+    "max_decode_stall": "removed: decode never waits for prompts being prefilled (issue 14), so there is "
+    "no stall to bound; drop the option",
+    "batch_size": "not an engine option: the decode batch is max_concurrent_decodes (the seed engines' "
+    "positional batch_size argument sets it)",
 }
 
 
@@ -231,7 +234,6 @@ class EngineConfig:
         "(4 while streams decode; 1: always one row)",
         check=at_least(1),
     )
-    batch_size: int | None = knob(None, "the seed's batch size (kept; the engines do not use it)")
     seed: int = knob(
         DEFAULT_SEED,
         "sampling seed for requests without one",
@@ -344,11 +346,6 @@ class EngineConfig:
         shown="4 on TPU, 1 elsewhere",
     )
     interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
-    max_decode_stall: float = knob(
-        0.25,
-        "vdriver: seconds decode may wait for prompts being prefilled into free slots (0: never)",
-        check=_non_negative,
-    )
     quantization: str = choice_knob(
         "none",
         "weights: none (the dtype's) or int8 (weight-only, per output channel, quantized at load; "
@@ -356,8 +353,13 @@ class EngineConfig:
         QUANTIZATIONS,
     )
     detokenizing_blocks: int = knob(8, "decode steps that may run ahead of detokenization", check=at_least(1))
+    # Removed knobs, still accepted by name for one release only to say why they are gone (REMOVED_KNOBS):
+    # not fields, so nothing lists, serves or renders them.
+    max_decode_stall: InitVar[Any] = None
+    batch_size: InitVar[Any] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_decode_stall: Any = None, batch_size: Any = None) -> None:
+        _refuse_removed({"max_decode_stall": max_decode_stall, "batch_size": batch_size})
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is None:
@@ -389,6 +391,7 @@ class EngineConfig:
     # ------------------------------------------------------------------ building
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (and validated); an unknown name is a TypeError naming it."""
+        _refuse_removed({k: v for k, v in changes.items() if k in REMOVED_KNOBS})
         unknown = sorted(set(changes) - _NAMES)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
@@ -412,6 +415,13 @@ class EngineConfig:
 
 
 _NAMES = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def _refuse_removed(values: dict[str, Any]) -> None:
+    """A removed knob given (not None): a ValueError that says why it is gone and what to use instead."""
+    for name, value in values.items():
+        if value is not None:
+            raise ValueError(f"{name}: {REMOVED_KNOBS[name]}")
 
 
 def serve_fields() -> tuple[dataclasses.Field, ...]:

@@ -85,6 +85,15 @@ def seed_engine_config(
         config = third
         seed_values = {k: v for k, v in seed_values.items() if v is not third}
     changes = given(seed_values)
+    batch = changes.pop("batch_size", None)
+    if batch is not None:  # the seed's batch size is the decode batch: it sets max_concurrent_decodes
+        decodes = changes.get("max_concurrent_decodes", kw.get("max_concurrent_decodes"))
+        if decodes is not None and decodes != batch:
+            raise ValueError(
+                f"batch_size {batch} and max_concurrent_decodes {decodes}: the seed's batch size is the "
+                "decode batch; give one of them, or the same value"
+            )
+        changes["max_concurrent_decodes"] = batch
     lengths = changes.get("prefill_lengths")
     if isinstance(lengths, int) and not isinstance(lengths, bool):
         changes["prefill_lengths"] = (lengths,)  # the seed types it `int | None`: one bucket

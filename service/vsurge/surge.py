@@ -112,7 +112,6 @@ class vSurge:  # noqa: N801 - the seed's name
             interleaved_mode=config.interleaved_mode,
             detokenizing_blocks=config.detokenizing_blocks,
             max_queue_size=config.max_queue_size,
-            max_decode_stall=config.max_decode_stall,
         )
         return cls(driver, vsurge_name)
 

@@ -13,7 +13,8 @@ import yaml
 
 import vsurge
 from vsurge.cli import SERVE_OPTIONS, ConfigError, parse_serve_config
-from vsurge.engine_config import DEFAULT_SEED, EngineConfig, env_name, flag_name, serve_fields
+from vsurge.engine_config import DEFAULT_SEED, REMOVED_KNOBS, EngineConfig, env_name, flag_name, serve_fields
+from vsurge.seed_args import seed_engine_config
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "helm" / "vsurge" / "crds" / "inferencemodels.vsurge.io.yaml"
@@ -82,7 +83,6 @@ def test_none_means_the_default_and_lengths_are_normalized():
         ({"prefill_lengths": [16, 0]}, "prefill_lengths: must be >= 1"),
         ({"prefill_lengths": []}, "prefill_lengths: expected at least one length"),
         ({"max_prefill_length": 512, "max_length": 256}, "max_prefill_length 512 exceeds max_length 256"),
-        ({"max_decode_stall": -1}, "max_decode_stall: must be >= 0"),
         ({"mesh": " "}, "mesh: expected a mesh spec"),
         ({"speculative": "eagle"}, "speculative: must be one of none, ngram"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens: must be >= 1, got 0"),
@@ -319,3 +319,25 @@ def test_every_model_source_scheme_the_crd_accepts_is_one_load_model_opens(monke
     assert re.fullmatch(pattern, "default") and re.fullmatch(pattern, "/models/llama")
     with pytest.raises(Exception, match="no such file"):
         loader.load_model("/nonexistent/model-dir")
+
+
+@pytest.mark.parametrize("name", ["max_decode_stall", "batch_size"])
+def test_a_removed_knob_is_refused_saying_why(name):
+    # they did nothing (issue 31): giving one is an error naming it and the reason, wherever it is given
+    why = REMOVED_KNOBS[name].split(":")[0]
+    with pytest.raises(ValueError, match=f"^{name}: {why}"):
+        EngineConfig(**{name: 1})
+    with pytest.raises(ValueError, match=f"^{name}: {why}"):
+        EngineConfig().replace(**{name: 1})
+    with pytest.raises(ValueError, match=f"^{name}: {why}"):
+        seed_engine_config(None, "vdriver", {}, {name: 1})
+    assert name not in {f.name for f in dataclasses.fields(EngineConfig)}  # nothing lists or serves it
+    assert EngineConfig(**{name: None}) == EngineConfig()  # "not given" stays fine
+
+
+def test_the_seed_batch_size_is_the_decode_batch():
+    assert seed_engine_config(None, "vdriver", {"batch_size": 4}, {}).max_concurrent_decodes == 4
+    same = {"batch_size": 4, "max_concurrent_decodes": 4}
+    assert seed_engine_config(None, "odriver", same, {}).max_concurrent_decodes == 4
+    with pytest.raises(ValueError, match="batch_size 4 and max_concurrent_decodes 8"):
+        seed_engine_config(None, "vdriver", {"batch_size": 4}, {"max_concurrent_decodes": 8})

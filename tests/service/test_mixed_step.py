@@ -24,6 +24,7 @@ from vsurge.engines.paging import HBMPageManager, bytes_per_page, page_hashes
 from vsurge.models import greedy_generate
 from vsurge.models.paged_attention import ragged_paged_attention_xla
 from vsurge.sampling_params import SamplingParams
+from vsurge.token_budget import TokenBudget
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -102,9 +103,10 @@ def test_plan_step_advances_cursors_and_counts_decoding_rows():
 
 
 # ------------------------------------------------------------------------------------------ engine
-def _seq(tokens, max_tokens: int, page_size: int, req=None) -> Seq:
+def _seq(tokens, max_tokens: int, page_size: int, req=None, max_length: int = 128) -> Seq:
     tokens = np.asarray(tokens, np.int32)
-    return Seq(req, 0, tokens, page_hashes(tokens, page_size), 0, len(tokens), max_tokens)
+    n = len(tokens)
+    return Seq(req, 0, tokens, page_hashes(tokens, page_size), 0, n, TokenBudget(n, max_tokens, max_length))
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,7 @@ def _serve(eng: oEngine, prompts, max_tokens: int, arrive_at):
     while step < 400 and (any(len(v) < max_tokens for v in out.values())):
         for i, p in enumerate(prompts):
             if arrive_at[i] == step:
-                seq = _seq(p, max_tokens, eng.page_size, req=i)
+                seq = _seq(p, max_tokens, eng.page_size, req=i, max_length=eng.max_length)
                 seq.inputs = eng.seq_inputs(greedy, [], np.zeros(2, np.uint32), p)
                 sched.add(seq)
         sched.admit()

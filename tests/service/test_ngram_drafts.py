@@ -9,6 +9,12 @@ import pytest
 from vsurge.drivers.ngram_drafts import P_RIGHT_WEIGHT, NgramDrafts, may_speculate
 from vsurge.engines.speculative import expected_accepted, worth_verifying
 from vsurge.sampling_params import SamplingParams
+from vsurge.token_budget import TokenBudget
+
+
+def _budget(prompt: list[int], params: SamplingParams, max_length: int) -> TokenBudget:
+    return TokenBudget(len(prompt), params.max_tokens, max_length)
+
 
 GREEDY = SamplingParams(max_tokens=50, temperature=0.0)
 
@@ -58,9 +64,17 @@ def test_which_requests_speculate():
 
 def test_drafts_come_from_the_slots_own_tokens_and_respect_max_tokens_and_the_context():
     d = NgramDrafts(slots=3, k=4, max_length=40)
-    d.start(0, [1, 2, 3, 4, 5, 6, 7, 1, 2], 3, GREEDY, 40)  # ... 1 2 3: the n-gram "2 3" -> 4 5 6 7
-    d.start(1, [9, 8, 7], 6, GREEDY, 40)  # nothing repeats
-    d.start(2, [1, 2, 3, 4, 5, 1, 2], 3, SamplingParams(max_tokens=3), 40)  # 2 more tokens to emit
+    d.start(
+        0, [1, 2, 3, 4, 5, 6, 7, 1, 2], 3, GREEDY, _budget([1, 2, 3, 4, 5, 6, 7, 1, 2], GREEDY, 40)
+    )  # ... 1 2 3: the n-gram "2 3" -> 4 5 6 7
+    d.start(1, [9, 8, 7], 6, GREEDY, _budget([9, 8, 7], GREEDY, 40))  # nothing repeats
+    d.start(
+        2,
+        [1, 2, 3, 4, 5, 1, 2],
+        3,
+        SamplingParams(max_tokens=3),
+        _budget([1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=3), 40),
+    )  # 2 more tokens to emit
     drafts, num = d.propose()
     assert num.tolist() == [4, 0, 1]
     assert drafts[0].tolist() == [4, 5, 6, 7] and drafts[2, :1].tolist() == [4]
@@ -73,7 +87,9 @@ def test_drafts_come_from_the_slots_own_tokens_and_respect_max_tokens_and_the_co
     _, num = d.propose()
     assert num[2] == 0  # slot 2 reached prompt + max_tokens
     # the context caps a draft: 36 tokens held of 40, so a verify step may emit 4: 3 drafts + 1
-    d.start(1, list(range(10, 43)) + [10, 11], 12, GREEDY, 40)  # "11 12" occurred: -> 13 14 15 (16 ...)
+    d.start(
+        1, list(range(10, 43)) + [10, 11], 12, GREEDY, _budget(list(range(10, 43)) + [10, 11], GREEDY, 40)
+    )  # "11 12" occurred: -> 13 14 15 (16 ...)
     drafts, num = d.propose()
     assert num[1] == 3 and drafts[1, :3].tolist() == [13, 14, 15]
     d.release(0)
@@ -82,7 +98,9 @@ def test_drafts_come_from_the_slots_own_tokens_and_respect_max_tokens_and_the_co
 
 def test_ineligible_requests_never_get_drafts():
     d = NgramDrafts(slots=1, k=3, max_length=20)
-    d.start(0, [1, 2, 1, 2, 1], 2, SamplingParams(top_k=3), 20)
+    d.start(
+        0, [1, 2, 1, 2, 1], 2, SamplingParams(top_k=3), _budget([1, 2, 1, 2, 1], SamplingParams(top_k=3), 20)
+    )
     assert d.propose()[1].tolist() == [0]
 
 

@@ -26,6 +26,7 @@ from vsurge.engines.paging import (
 from vsurge.models.attention import DenseDecodeAttention, PrefillAttention
 from vsurge.models.paged_attention import PagedDecodeAttention, PagedPrefillAttention, combine_kv, gather_kv
 from vsurge.models.sharding import make_mesh
+from vsurge.token_budget import TokenBudget
 
 # ------------------------------------------------------------------------------------------ prefix keys
 
@@ -159,10 +160,11 @@ TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=40,
 # ------------------------------------------------------------------------------------------ scheduler
 
 
-def _seq(rid, tokens, max_tokens, ps, generated=0, prompt_len=None):
+def _seq(rid, tokens, max_tokens, ps, generated=0, prompt_len=None, max_length=64):
     req = SimpleNamespace(id=rid)
     tokens = np.asarray(tokens, np.int32)
-    return Seq(req, 0, tokens, page_hashes(tokens, ps), generated, prompt_len or len(tokens), max_tokens)
+    n = prompt_len or len(tokens)
+    return Seq(req, 0, tokens, page_hashes(tokens, ps), generated, n, TokenBudget(n, max_tokens, max_length))
 
 
 def _simulate(prompts, max_tokens, stops, *, pages, ps, slots, max_length, chunk):
@@ -175,7 +177,7 @@ def _simulate(prompts, max_tokens, stops, *, pages, ps, slots, max_length, chunk
     out = {rid: [] for rid in range(len(prompts))}  # tokens "generated" per request
     ended = set()
     for rid, p in enumerate(prompts):
-        s.add(_seq(rid, p, max_tokens[rid], ps))
+        s.add(_seq(rid, p, max_tokens[rid], ps, max_length=max_length))
     steps = 0
     while len(ended) < len(prompts):
         steps += 1
@@ -194,7 +196,10 @@ def _simulate(prompts, max_tokens, stops, *, pages, ps, slots, max_length, chunk
             rid = v.req.id
             if v.decoding:  # recompute from the prompt and everything it produced
                 p = prompts[rid]
-                s.add(_seq(rid, list(p) + out[rid], max_tokens[rid], ps, len(out[rid]), len(p)), front=True)
+                s.add(
+                    _seq(rid, list(p) + out[rid], max_tokens[rid], ps, len(out[rid]), len(p), max_length),
+                    front=True,
+                )
             else:
                 s.add(v.fresh(), front=True)
         m.check()

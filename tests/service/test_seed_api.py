@@ -54,9 +54,13 @@ def test_the_seed_names_import_from_vsurge():
 
 def test_engines_take_the_seed_positional_order(tiny_llama):
     model, tok = tiny_llama
-    e = vsurge.vEngine(model, tok, 2, 3, [16], 16, MAX_LEN, 5, 7)
+    e = vsurge.vEngine(model, tok, 2, 3, [16], 16, MAX_LEN, 2, 7)
     assert (e.max_concurrent_decodes, e.max_concurrent_prefill, e.prefill_lengths) == (2, 3, [16])
-    assert (e.max_prefill_length, e.max_length, e.batch_size, e.engine_config.seed) == (16, MAX_LEN, 5, 7)
+    assert (e.max_prefill_length, e.max_length, e.batch_size, e.engine_config.seed) == (16, MAX_LEN, 2, 7)
+    # the seed's batch size is the decode batch: alone it sets the slots, against another count it is refused
+    assert vsurge.vEngine(model, tok, None, None, [16], None, MAX_LEN, 3).max_concurrent_decodes == 3
+    with pytest.raises(ValueError, match="batch_size 5 and max_concurrent_decodes 2"):
+        vsurge.vEngine(model, tok, 2, 3, [16], 16, MAX_LEN, 5, 7)
     storage = vsurge.PagedAttentionCache.create(model.config, 16, 0.6, 1 << 20, dtype=model.dtype)
     manager = vsurge.HBMPageManager.for_cache(storage)
     o = vsurge.oEngine(model, tok, storage, manager, 2, None, [16], None, MAX_LEN)

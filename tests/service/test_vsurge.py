@@ -902,12 +902,11 @@ def test_no_compilation_on_live_requests(tiny, dtypes):
 
 def test_decode_does_not_wait_for_prompts_being_prefilled(tiny):
     # Issue 14: no "prompts first" stall. While a new prompt is held in prefill, the running request
-    # decodes to its end; max_decode_stall is still accepted but holds nothing.
+    # decodes to its end (max_decode_stall, which once bounded that wait, is gone: test_engine_config).
     model, tok = tiny
     s = vSurge.create_vdriver(
         model, tok, max_concurrent_decodes=4, prefill_lengths=BUCKETS, max_length=MAX_LEN
     )
-    s.driver.max_decode_stall = 30.0
     engine = s.driver.engines[0]
     s.compile()
     gate, held, let_go = threading.Event(), threading.Event(), threading.Event()

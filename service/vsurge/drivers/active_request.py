@@ -15,6 +15,7 @@ import numpy as np
 
 from ..request import RequestFailedError, ReturnSample, TokenLogprob, vSurgeMetadata
 from ..sampling_params import SamplingParams
+from ..token_budget import TokenBudget
 from .detokenize import IncrementalDetokenizer, StopStringMatcher
 
 _END = object()
@@ -105,6 +106,7 @@ class ActiveRequest:
         "num_cached_tokens",
         "in_pipeline",
         "finalized",
+        "_budget",
     )
 
     def __init__(
@@ -151,6 +153,7 @@ class ActiveRequest:
         # the driver's bookkeeping (under its locks): still before a decode lane, and ended exactly once
         self.in_pipeline = False
         self.finalized = False
+        self._budget: TokenBudget | None = None
 
     # ------------------------------------------------------------------ consumer side
     def cancel(self) -> None:
@@ -166,6 +169,14 @@ class ActiveRequest:
         return all(s.done for s in self.samples)
 
     # ------------------------------------------------------------------ driver side
+    def budget(self, max_length: int) -> TokenBudget:
+        """Each sample's token budget under an engine of ``max_length`` (token_budget.py), made once: the
+        step thread and the detokenize thread read this same object."""
+        b = self._budget
+        if b is None or b.max_length != max_length:
+            b = self._budget = TokenBudget(len(self.prompt_ids), self.params.max_tokens, max_length)
+        return b
+
     def add_token(
         self,
         index: int,
@@ -204,7 +215,7 @@ class ActiveRequest:
                     if hit:
                         finish = "stop"
                 s.text_delta += text
-            if finish is None and (n >= p.max_tokens or len(self.prompt_ids) + n >= max_length):
+            if finish is None and self.budget(max_length).spent(n):
                 finish = "length"
         if finish is not None:
             if finish != "stop":

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -27,10 +27,7 @@ from .active_request import ActiveRequest
 from .inplace_prefill import InPlacePrefill
 from .lanes import Abort, Arrived, FirstToken, Prefilled
 from .ngram_drafts import NgramDrafts
-from .pipeline import Lane, StepLoop, drain
-
-if TYPE_CHECKING:
-    from .vdriver import vDriver
+from .pipeline import Lane, Pipeline, StepLoop, drain
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -47,9 +44,10 @@ class SlotOwner:
 class DenseSlots:
     """One decode engine's slots and its step planning: vDriver's Stepper (pipeline.py)."""
 
-    def __init__(self, driver: vDriver, engine: vEngine, lane: Lane):
-        self.driver, self.engine, self.lane = driver, engine, lane
-        self.pipeline = driver.pipeline
+    def __init__(self, pipeline: Pipeline, engine: vEngine, lane: Lane, may_prefill: threading.Event):
+        self.pipeline, self.engine, self.lane = pipeline, engine, lane
+        # set once per step: in interleaved mode the driver's prefill thread waits for it
+        self.may_prefill = may_prefill
         self.owners: list[SlotOwner | None] = [None] * engine.max_concurrent_decodes
         # a heap: the lowest free slot goes first, so live slots stay packed and decode covers few rows
         self.free = list(range(engine.max_concurrent_decodes))
@@ -126,7 +124,7 @@ class DenseSlots:
         state = self._compact(state)
         # decode never waits for prompts on their way: they join the batch at the next step they are ready
         if all(o is None for o in self.owners) and not self.inplace:
-            self.driver._may_prefill.set()
+            self.may_prefill.set()
             loop.flush()
             try:
                 self._receive(self.lane.backlog.get(timeout=0.05))
@@ -202,7 +200,7 @@ class DenseSlots:
         return state, out
 
     def stepped(self) -> None:
-        self.driver._may_prefill.set()
+        self.may_prefill.set()
 
     def lose_state(self, reason: str) -> Any:
         if self.inplace is not None:
@@ -346,8 +344,7 @@ class DenseSlots:
                     heapq.heappush(self.free, s)
                 self.pipeline.fail(req, f"insert failed: {e}")
                 continue
-            context = self.engine.max_length - len(req.prompt_ids)
-            budget = context if req.params.max_tokens is None else min(req.params.max_tokens, context)
+            budget = req.budget(self.engine.max_length).tokens
             for i, slot, first in zip(samples, slots, firsts, strict=True):
                 owner = SlotOwner(req, i, slot)
                 self.owners[slot] = owner
@@ -356,7 +353,9 @@ class DenseSlots:
                 self.grammars.sampled(slot, first.tokens)
                 if self.drafts is not None:
                     first_token = int(np.asarray(first.tokens)[0])
-                    self.drafts.start(slot, req.prompt_ids, first_token, req.params, self.engine.max_length)
+                    self.drafts.start(
+                        slot, req.prompt_ids, first_token, req.params, req.budget(self.engine.max_length)
+                    )
                 if not early:
                     loop.send(FirstToken(owner, first))
                 if budget <= 1:  # its first token was its last (a structured request's max_tokens 1)

@@ -13,7 +13,7 @@ import collections
 import heapq
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -22,8 +22,22 @@ from .active_request import ActiveRequest
 from .lanes import Abort, FirstToken
 
 if TYPE_CHECKING:
-    from .dense_slots import DenseSlots
     from .pipeline import StepLoop
+
+
+class SlotTable(Protocol):
+    """What in-place prefill needs from the slots it lives in (`DenseSlots`, which holds it): declared
+    here so that this module does not import the one that imports it."""
+
+    engine: Any  # the decode vEngine (its .mixed does the steps)
+    free: list[int]  # a heap of free slots
+    owners: list[Any]  # slot -> its SlotOwner or None
+    left: Any  # slot -> tokens it may still produce (numpy int64)
+    drafts: Any  # NgramDrafts or None
+
+    def release(self, slot: int) -> None: ...
+
+    def owner_of(self, req: ActiveRequest, index: int, slot: int) -> Any: ...
 
 
 def prefilled_in_step(req: ActiveRequest) -> bool:
@@ -50,7 +64,7 @@ class Prefilling:
 class InPlacePrefill:
     """The prompts one decode lane prefills in its steps (`DenseSlots` holds one when the engine mixes)."""
 
-    def __init__(self, slots: DenseSlots):
+    def __init__(self, slots: SlotTable):
         self.slots = slots
         self.engine = slots.engine
         self.mixed = slots.engine.mixed
@@ -116,13 +130,12 @@ class InPlacePrefill:
             req.metadata.prefill_done_at = time.time()
             owner = s.owner_of(req, 0, p.slot)
             s.owners[p.slot] = owner
-            context = max_length - n
-            budget = context if req.params.max_tokens is None else min(req.params.max_tokens, context)
+            budget = req.budget(max_length).tokens
             s.left[p.slot] = budget - 1  # the first token is out
             req.samples[0].slot = p.slot
             if s.drafts is not None:
                 first_token = int(np.asarray(first.tokens)[0])
-                s.drafts.start(p.slot, req.prompt_ids, first_token, req.params, max_length)
+                s.drafts.start(p.slot, req.prompt_ids, first_token, req.params, req.budget(max_length))
             loop.send(FirstToken(owner, first))
             if budget <= 1:
                 s.release(p.slot)

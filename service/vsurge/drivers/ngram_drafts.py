@@ -26,6 +26,7 @@ import numpy as np
 from ..engines.spec_verify import plain_sampling
 from ..engines.speculative import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, propose_ngram
 from ..sampling_params import SamplingParams
+from ..token_budget import TokenBudget
 
 __all__ = ["NgramDrafts", "may_speculate"]
 
@@ -65,15 +66,14 @@ class NgramDrafts:
             self.p_right += P_RIGHT_WEIGHT * (right - self.p_right)
 
     def start(
-        self, slot: int, prompt: Sequence[int], first_token: int, params: SamplingParams, max_length: int
+        self, slot: int, prompt: Sequence[int], first_token: int, params: SamplingParams, budget: TokenBudget
     ):
-        """A sample entered ``slot``: its prompt and its first token (sampled at insertion)."""
+        """A sample entered ``slot``: its prompt, its first token (sampled at insertion) and its budget."""
         n = len(prompt)
         self.tokens[slot, :n] = prompt
         self.tokens[slot, n] = first_token
         self.length[slot] = n + 1
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_length
-        self.cap[slot] = min(n + max_tokens, max_length) if may_speculate(params) else 0
+        self.cap[slot] = budget.end if may_speculate(params) else 0
 
     def release(self, slot: int) -> None:
         self.length[slot] = 0

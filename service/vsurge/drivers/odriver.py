@@ -322,7 +322,7 @@ class oDriver:  # noqa: N801 - the seed's name
         if keys is None:
             keys = page_hashes(tokens, eng.page_size)
         inputs = eng.seq_inputs(req.params, sorted(req.stop_ids), req.keys[index], req.prompt_ids, generated)
-        return Seq(req, index, tokens, keys, len(generated), n, req.params.max_tokens, inputs)
+        return Seq(req, index, tokens, keys, len(generated), n, req.budget(eng.max_length), inputs)
 
     def _prepare_loop(self) -> None:
         p = self.pipeline

@@ -72,7 +72,6 @@ class vDriver:  # noqa: N801 - the seed's name
         interleaved_mode: bool = _DEFAULTS.interleaved_mode,
         detokenizing_blocks: int = _DEFAULTS.detokenizing_blocks,
         max_queue_size: int = _DEFAULTS.max_queue_size,
-        max_decode_stall: float = _DEFAULTS.max_decode_stall,
     ):
         self._prefill_engines = _as_list(prefill_engines)
         self._decode_engines = _as_list(decode_engines) or list(self._prefill_engines)
@@ -82,16 +81,15 @@ class vDriver:  # noqa: N801 - the seed's name
             raise ValueError("vDriver needs at least one engine")
         self.interleaved_mode = interleaved_mode
         self.detokenizing_blocks = detokenizing_blocks
-        # accepted for compatibility only: decode no longer waits for prompts being prefilled (issue 14:
-        # a long prompt held every running stream for up to this long)
-        self.max_decode_stall = max_decode_stall
         self.pipeline = Pipeline(max_queue_size, detokenizing_blocks)
         self._transfer_q: queue.Queue = queue.Queue(max(4, 2 * len(self._decode_engines)))
+        self._may_prefill = threading.Event()  # interleaved mode: set by the step thread once per step
         self._slots = [
-            DenseSlots(self, e, self.pipeline.new_lane(2 * e.max_concurrent_decodes))
+            DenseSlots(
+                self.pipeline, e, self.pipeline.new_lane(2 * e.max_concurrent_decodes), self._may_prefill
+            )
             for e in self._decode_engines
         ]
-        self._may_prefill = threading.Event()  # interleaved mode: set by the step thread once per step
         self._speculative = any(e.speculator is not None for e in self._decode_engines)
         # max_num_batched_tokens set: the decode steps prefill prompts in place (inplace_prefill.py)
         self._mixed = all(e.mixed is not None for e in self._decode_engines)

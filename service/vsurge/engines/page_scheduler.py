@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..token_budget import TokenBudget
 from .paging import HBMPageManager
 
 
@@ -40,7 +41,7 @@ class Seq:
     keys: list[bytes]  # prefix keys of the full pages of `tokens`
     generated: int  # tokens generated before this (re)compute: the sampler step of its next token
     prompt_len: int  # of the original prompt (max_length is counted from it)
-    max_tokens: int
+    budget: TokenBudget  # its request's (ActiveRequest.budget): the detokenize thread reads the same one
     inputs: Any = None  # device inputs of its first-token sampling, prepared off the generate thread
     slot: int = -1
     cursor: int = 0  # tokens whose KV is written or dispatched (cached prefix + chunks + decode steps)
@@ -59,7 +60,7 @@ class Seq:
             self.keys,
             self.generated,
             self.prompt_len,
-            self.max_tokens,
+            self.budget,
             self.inputs,
         )
 
@@ -275,8 +276,8 @@ class PageScheduler:
         return done
 
     def _done(self, seq: Seq) -> bool:
-        # known on the host without reading tokens: max_tokens, or the model's max_length
-        return seq.produced >= seq.max_tokens or seq.prompt_len + seq.produced >= self.max_length
+        # known on the host without reading tokens: the sample's budget (max_tokens within max_length)
+        return seq.budget.spent(seq.produced)
 
     # ------------------------------------------------------------------ ends
     def holds(self, seq: Seq) -> bool:

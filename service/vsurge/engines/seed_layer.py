@@ -30,7 +30,7 @@ class SeedEngineLayer:
 
     # Set by EngineBase._setup as plain attributes; declared here because the seed's engines have them
     # (protocols.AbstractInferenceEngine reads declarations).
-    batch_size: int | None
+    batch_size: int | None  # the decode batch (max_concurrent_decodes), as the seed's batch_size sets it
     samples_per_slot: int
     prefill_lengths: list[int]
     max_concurrent_decodes: int

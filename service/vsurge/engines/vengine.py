@@ -9,32 +9,37 @@ only ever hits compiled programs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ..engine_config import DEFAULT_SEED, EngineConfig
-from ..models.attention import KV_BITS, DenseDecodeAttention, PrefillAttention, kv_store, to_flat
-from ..models.sharding import dense_cache_sharding
-from ..models.target import target_backend
 from ..sampling_params import SamplingParams
 from ..seed_args import ENGINE_ARGS, default, seed_engine_config
 from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
 from .decode_block import DecodeBlocks
 from .dense_mixed import DenseMixedStep
+from .dense_programs import (  # GenerationState, Prefix, resolve_decode_steps: read from here as always
+    GenerationState,
+    Prefix,
+    _decode_impl,
+    _first_impl,
+    _firsts_impl,
+    _forward_impl,
+    _insert_impl,
+    _long_prefix_impl,
+    _prefill_impl,
+    resolve_decode_steps,
+)
+from .dense_state import DenseCache
 from .dense_warmup import compile_engine, warm_structured
-from .engine_base import EngineBase, constrain, sample_first_token, sample_step, start_slot
+from .engine_base import EngineBase
 from .oengine import resolve_token_budget
 from .prefill_rows import first_fit, row_counts, rows_needed
 from .sampling import (
@@ -42,8 +47,6 @@ from .sampling import (
     SampleResult,
     SlotSampling,
     make_slot_sampling,
-    sample,
-    sharded_sampling,
 )
 from .seed_dense import DenseSeedLayer
 from .seed_layer import seed_forms
@@ -53,152 +56,8 @@ from .spec_verify import SpeculativeVerifier, VerifyStep
 log = logging.getLogger(__name__)
 
 
-class GenerationState(NamedTuple):
-    caches: tuple[tuple[jax.Array, jax.Array], ...]  # per layer K, V [slots, max_length, kv_heads * head_dim]
-    tokens: jax.Array  # i32[S] the token each slot feeds to its next decode step
-    positions: jax.Array  # i32[S] where that token goes (the slot's current length)
-    steps: jax.Array  # i32[S] tokens generated so far: the sampler's per-request step counter
-    counts: jax.Array  # i32[S, V] generated-token counts (presence / frequency / repetition penalties)
-    prompt_mask: jax.Array  # bool[S, V] tokens of the prompt (repetition penalty)
-    sampling: SlotSampling
-
-
-class Prefix(NamedTuple):
-    """Prompts prefilled in one call, packed one after another in the rows of a prefill shape: one row of
-    a bucket, or several rows of prefill_pack_tokens (prefill_rows.py).
-
-    Entry j (j < max_concurrent_prefill) is inserted into a slot by its index; unused entries have
-    length 0. Logits are computed at insert from the last hidden state, only for the entries used.
-    """
-
-    kv: tuple[tuple[jax.Array, jax.Array], ...]  # per layer k, v [rows, row length, kv_heads, head_dim]
-    hidden: jax.Array  # [K, hidden] final hidden state at each prompt's last token
-    starts: jax.Array  # i32[K] where each prompt begins: row * row length + offset in the row
-    lengths: jax.Array  # i32[K] prompt lengths (0: unused entry)
-    prompt_mask: jax.Array  # bool[K, V]
-    sampling: SlotSampling  # K rows
-
-
-def _prefill_impl(graphdef, params, tokens, positions, segments, totals, starts, lengths, sampling):
-    """Prefill the prompts packed in `tokens` [R, L] (segment j holds prompt j, positions restart in
-    each; row r holds totals[r] tokens, then padding)."""
-    model = nnx.merge(graphdef, params)
-    r, t = tokens.shape
-    backend = PrefillAttention(window=model.config.sliding_window)
-    meta = (positions, totals, segments)
-    hidden, kv = model(tokens, positions, backend, [None] * model.config.num_layers, meta)
-    last = hidden.reshape(r * t, -1)[jnp.maximum(starts + lengths - 1, 0)]
-    vocab = model.config.vocab_size
-    valid = (jnp.arange(t)[None, :] < totals[:, None]).reshape(-1)
-    seg, tok = segments.reshape(-1), tokens.reshape(-1)
-    # padding scatters to index V, which mode="drop" discards
-    mask = jnp.zeros((starts.shape[0], vocab), bool)
-    mask = mask.at[jnp.where(valid, seg, 0), jnp.where(valid, tok, vocab)].set(True, mode="drop")
-    return Prefix(tuple((k, v) for k, v in kv), last, starts, lengths, mask, sampling)
-
-
-def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab: int):
-    """A chunked prefill's row as entry 0 of a Prefix (the other entries unused), so insert and the
-    first-token sampler serve it like any pack."""
-    valid = jnp.arange(tokens.shape[0]) < length
-    mask = jnp.zeros((entries, vocab), bool).at[0, jnp.where(valid, tokens, vocab)].set(True, mode="drop")
-    hidden = jnp.zeros((entries, last.shape[-1]), last.dtype).at[0].set(last)
-    starts = jnp.zeros((entries,), jnp.int32)
-    lengths = jnp.zeros((entries,), jnp.int32).at[0].set(length)
-    return Prefix(tuple((k[None], v[None]) for k, v in kv), hidden, starts, lengths, mask, sampling)
-
-
-def _entry(rows: SlotSampling, j, key) -> SlotSampling:
-    return SlotSampling(*(a[j][None] for a in rows))._replace(key=key[None])
-
-
-def _first_impl(
-    graphdef, params, hidden, rows, prompt_mask, j, key, token_mask=None, *, num_top: int, logits_sharding
-):
-    """Sample entry j's first token from its last hidden state (one program for every bucket);
-    ``token_mask`` (i32[1, ceil(V/32)]): a structured request's first allowed tokens."""
-    model = nnx.merge(graphdef, params)
-    return sample_first_token(
-        model,
-        hidden[j][None],
-        _entry(rows, j, key),
-        prompt_mask[j][None],
-        num_top=num_top,
-        logits_sharding=logits_sharding,
-        token_mask=token_mask,
-    )
-
-
-def _firsts_impl(graphdef, params, hidden, rows, prompt_mask, js, keys, *, num_top: int, logits_sharding):
-    """The first tokens of entries js (i32[M]) with keys (u32[M, 2]), in one program: the logits read
-    the embedding once for all of them (a pack's first tokens, or one entry's repeated)."""
-    model = nnx.merge(graphdef, params)
-    logits = model.compute_logits(hidden[js])
-    if logits_sharding is not None:
-        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    picked = SlotSampling(*(a[js] for a in rows))._replace(key=keys)
-    with sharded_sampling() if logits_sharding is not None else contextlib.nullcontext():
-        return sample(logits, picked, None, prompt_mask[js], jnp.zeros(js.shape, jnp.int32), num_top)
-
-
-def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_token, *, shardings):
-    # entry j's whole row, shifted so the entry starts at position 0; what follows the prompt is never
-    # read (decode writes position p before attending to positions <= p)
-    t = prefix.kv[0][0].shape[1]
-    row, at = prefix.starts[j] // t, prefix.starts[j] % t
-    # a chunked prefill's row may be longer than the cache (rounded up to whole chunks)
-    src = jnp.minimum(at + jnp.arange(min(t, state.caches[0][0].shape[1])), t - 1)
-
-    def entry(x):  # [1, M, KVH * D]: the cache's flat rows
-        return to_flat(jnp.take(jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), src, axis=0))[None]
-
-    caches = tuple(
-        (
-            jax.lax.dynamic_update_slice(kc, kv_store(entry(k), kc.dtype), (slot, 0, 0)),
-            jax.lax.dynamic_update_slice(vc, kv_store(entry(v), vc.dtype), (slot, 0, 0)),
-        )
-        for (kc, vc), (k, v) in zip(state.caches, prefix.kv, strict=True)
-    )
-    state = state._replace(caches=caches, prompt_mask=state.prompt_mask.at[slot].set(prefix.prompt_mask[j]))
-    new = start_slot(state, slot, first_token, prefix.lengths[j], _entry(prefix.sampling, j, key))
-    return constrain(new, shardings)
-
-
-def _decode_impl(
-    graphdef, params, state: GenerationState, lengths, *, rows: int, logits_sharding, num_top, shardings
-):
-    """One step over the first `rows` slots (slots are handed out lowest first): the model, reading
-    `lengths[s]` cache positions of row s (its sequence + 1; 0 for an idle slot), then the sampler. One
-    program, so the logits never leave it (~7% of a 32-row step when they did)."""
-    state, logits = _forward_impl(
-        graphdef, params, state, lengths, rows=rows, logits_sharding=logits_sharding
-    )
-    return sample_step(state, logits, rows=rows, num_top=num_top, shardings=shardings)
-
-
-def _forward_impl(graphdef, params, state: GenerationState, lengths, *, rows: int, logits_sharding):
-    """The model half of a decode step: (state with the new KV, logits f32[rows, V]). Structured output
-    runs it apart from the sampler, so the host fills the token mask while the device runs the model."""
-    model = nnx.merge(graphdef, params)
-    backend = DenseDecodeAttention(window=model.config.sliding_window)
-    pos = state.positions[:rows]
-    hidden, caches = model(state.tokens[:rows, None], pos[:, None], backend, state.caches, (pos, lengths))
-    logits = model.compute_logits(hidden[:, 0])
-    if logits_sharding is not None:
-        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    return state._replace(caches=tuple(tuple(c) for c in caches)), logits
-
-
-def resolve_decode_steps(steps: int | None, backend: str | None = None) -> int:
-    """decode_steps left unset: 4 on TPU (a ~5 ms step is shorter than the host's work per token of 64
-    streams), 1 elsewhere (XLA:CPU steps take 100+ ms: the host keeps up, and tokens stream one by one)."""
-    if steps is not None:
-        return steps
-    return 4 if (backend or target_backend()) == "tpu" else 1
-
-
 @seed_forms  # the seed's prefill / decode / insert / bulk_insert beside ours (seed_dense.py)
-class vEngine(DenseSeedLayer, EngineBase):  # noqa: N801 - the seed's name
+class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed's name
     """Dense-cache engine: prefill, insert into a slot, decode all slots, free a slot."""
 
     def __init__(
@@ -331,78 +190,6 @@ class vEngine(DenseSeedLayer, EngineBase):  # noqa: N801 - the seed's name
     def step_params(self, rows: int) -> Any:
         """The weights of the decode / verify / forward step of bucket ``rows``."""
         return self._step_params[rows]
-
-    @property
-    def cache_dtype(self) -> Any:
-        """What the dense KV cache holds: the model's dtype, or bfloat16 bits (kv_cache_dtype=bfloat16)."""
-        if self.engine_config.kv_cache_dtype == "bfloat16" and self.model.dtype != jnp.bfloat16:
-            return KV_BITS
-        return self.model.dtype
-
-    def _cache_shape(self) -> tuple[int, ...]:
-        c = self.config
-        return (self.max_concurrent_decodes, self.max_length, c.num_kv_heads * c.head_dim)
-
-    def _kv_sharding(self) -> jax.sharding.Sharding:
-        return dense_cache_sharding(self.mesh, self._cache_shape(), self.config.num_kv_heads)
-
-    def _make_state_shardings(self) -> GenerationState | None:
-        if self.mesh is None:
-            return None
-        kv = self._kv_sharding()
-        rep = NamedSharding(self.mesh, P())
-        return GenerationState(
-            caches=tuple((kv, kv) for _ in range(self.config.num_layers)),
-            tokens=rep,
-            positions=rep,
-            steps=rep,
-            counts=rep,
-            prompt_mask=rep,
-            sampling=SlotSampling(*([rep] * len(SlotSampling._fields))),
-        )
-
-    def get_state_shardings(self, is_decode: bool = False):
-        return self._state_shardings if is_decode else self.get_prefix_destination_sharding()
-
-    def get_prefix_destination_sharding(self) -> Any:
-        """Where a prefix must live to be inserted here (used by the transfer thread)."""
-        if self.mesh is None:
-            return self._replicated()
-        c = self.config
-        kv = NamedSharding(
-            self.mesh, P(None, None, "tp", None) if c.num_kv_heads % self.mesh.shape["tp"] == 0 else P()
-        )
-        rep = NamedSharding(self.mesh, P())
-        return Prefix(
-            kv=tuple((kv, kv) for _ in range(c.num_layers)),
-            hidden=rep,
-            starts=rep,
-            lengths=rep,
-            prompt_mask=rep,
-            sampling=SlotSampling(*([rep] * len(SlotSampling._fields))),
-        )
-
-    def init_decode_state(self, *args, **kwargs) -> GenerationState:
-        s, v = self.max_concurrent_decodes, self.config.vocab_size
-        dtype = self.cache_dtype
-        rep = self._replicated()
-        kv_sharding = self._kv_sharding() if self.mesh is not None else rep
-        if self._zeros is None:  # one program, kept: a restarted generate thread must not compile again
-            self._zeros = jax.jit(lambda: jnp.zeros(self._cache_shape(), dtype), out_shardings=kv_sharding)
-        caches = tuple((self._zeros(), self._zeros()) for _ in range(self.config.num_layers))
-        put = partial(jax.device_put, device=rep)
-        sampling = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
-        self._pos[:] = 0
-        self._active[:] = False
-        return GenerationState(
-            caches=caches,
-            tokens=put(np.zeros(s, np.int32)),
-            positions=put(np.zeros(s, np.int32)),
-            steps=put(np.zeros(s, np.int32)),
-            counts=put(np.zeros((s, v), np.int32)),
-            prompt_mask=put(np.zeros((s, v), bool)),
-            sampling=jax.tree.map(put, sampling),
-        )
 
     # ------------------------------------------------------------------ steps
     @property

@@ -8,12 +8,13 @@ A new family is one module (its flax.nnx model) and one registration:
 tensor mapping (`general.architecture` through `gguf_architecture`), `build_model` (the class and the rules)
 and `sharding.place_params` read it. An unknown `model_type` raises `CheckpointError` "unsupported
 architecture", naming the supported ones. The built-in families (llama, mistral, qwen2, qwen3) register
-themselves in `models/llama.py`, imported on the first lookup.
+themselves in `models/llama.py`, which the `vsurge.models` package imports: any import of this module runs
+the package first, so the built-ins are registered before anyone outside the package can look one up
+(the registry imports no family itself: the families import it, never the other way round).
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,9 +31,6 @@ __all__ = [
     "supported_architectures",
     "unregister_architecture",
 ]
-
-# Modules whose import registers the built-in families.
-_BUILTIN_MODULES = ("vsurge.models.llama",)
 
 
 @dataclass(frozen=True)
@@ -54,19 +52,6 @@ class Architecture:
 
 _lock = threading.RLock()
 _registry: dict[str, Architecture] = {}
-_builtins_loaded = False
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    with _lock:  # reentrant: the modules imported here register through this module
-        if _builtins_loaded:
-            return
-        for name in _BUILTIN_MODULES:
-            importlib.import_module(name)
-        _builtins_loaded = True
 
 
 def register_architecture(
@@ -110,8 +95,6 @@ def register_architecture(
         )
         for name in names
     )
-    if model_cls.__module__ not in _BUILTIN_MODULES:
-        _load_builtins()
     with _lock:
         for entry in entries:
             if not replace and entry.model_type in _registry:
@@ -143,7 +126,6 @@ def architecture_for(
 ) -> Architecture:
     """The registered family of `model_type`, or CheckpointError "unsupported architecture" naming the
     supported ones; `source` names the file and `architectures` (config.json's) is shown when given."""
-    _load_builtins()
     entry = _registry.get(model_type) if isinstance(model_type, str) else None
     if entry is not None:
         return entry
@@ -157,7 +139,6 @@ def architecture_for(
 
 def architectures() -> tuple[Architecture, ...]:
     """Every registered family, in registration order (the built-ins first)."""
-    _load_builtins()
     with _lock:
         return tuple(_registry.values())
 
@@ -201,7 +182,6 @@ class PartitionRules(Mapping[str, tuple[tuple[str, Any], ...]]):
     """A live, read-only mapping model_type -> partition rules (`sharding.PARTITION_RULES`)."""
 
     def __getitem__(self, model_type: str):
-        _load_builtins()
         entry = _registry.get(model_type)
         if entry is None:
             raise KeyError(model_type)

@@ -109,7 +109,6 @@ def leader_surge(
             interleaved_mode=config.interleaved_mode,
             detokenizing_blocks=config.detokenizing_blocks,
             max_queue_size=config.max_queue_size,
-            max_decode_stall=config.max_decode_stall,
         )
     return LockstepSurge(vSurge(driver, name), lane)
 

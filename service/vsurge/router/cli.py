@@ -1,7 +1,8 @@
 """`vsurge route`: the command line of the router.
 
-Importing this module registers the `route` subcommand with `vsurge.cli` (it is listed in
-`vsurge.cli._PLUGIN_MODULES`); it imports nothing heavy, so `vsurge --help` stays instant. Starlette,
+`vsurge.cli` imports this module and registers its `route` subcommand (HELP, add_route_arguments,
+run_route); the router never imports the cli, so the two do not form a circle. It imports nothing heavy,
+so `vsurge --help` stays instant. Starlette,
 httpx, uvicorn and the kubernetes client load only when the router runs.
 """
 
@@ -99,12 +100,3 @@ def run_route(args: argparse.Namespace) -> int:
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1
-
-
-def _register() -> None:
-    from vsurge.cli import register_subcommand
-
-    register_subcommand("route", HELP, add_route_arguments, run_route)
-
-
-_register()

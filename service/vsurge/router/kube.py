@@ -132,7 +132,7 @@ def load_api_client() -> Any:
     """
     import kubernetes
 
-    from vsurge import __version__
+    from vsurge.version import __version__
 
     configuration = kubernetes.client.Configuration()
     try:

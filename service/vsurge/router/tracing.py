@@ -82,7 +82,7 @@ class RouterTracing:
         self.provider = tracer_provider
         self.tracer = None
         if tracer_provider is not None:
-            from vsurge import __version__
+            from vsurge.version import __version__
 
             self.tracer = tracer_provider.get_tracer("vsurge.router", __version__)
 

@@ -8,7 +8,7 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vsurge import __version__
+from vsurge.version import __version__
 
 from . import errors
 from .engine import _error_response, _model_card

@@ -81,7 +81,7 @@ class Tracing:
         self.provider = tracer_provider
         self.tracer = None
         if tracer_provider is not None:
-            from vsurge import __version__
+            from vsurge.version import __version__
 
             self.tracer = tracer_provider.get_tracer("vsurge.server", __version__)
 

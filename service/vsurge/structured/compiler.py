@@ -18,21 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from .matcher import GrammarMatcher
-from .spec import GrammarSpec
+from .spec import GrammarError, GrammarSpec
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_SIZE = 256
 # JSON as json.dumps writes it: no free whitespace between tokens (a model left to choose whitespace may
 # never stop emitting it), ", " and ": " as the separators models see most.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class GrammarError(ValueError):
-    """The grammar cannot be used: invalid, unsupported, or too slow to compile. A 400 naming ``param``."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class CompiledGrammar:

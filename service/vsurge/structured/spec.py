@@ -15,6 +15,15 @@ from typing import Any
 KINDS = ("json", "regex", "lark")
 
 
+class GrammarError(ValueError):
+    """The grammar cannot be used: invalid, unsupported, or too slow to compile. A 400 naming ``param``.
+    Declared with the spec (the first place a grammar is found invalid); the compiler raises it too."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: str  # one of KINDS
@@ -54,6 +63,4 @@ class GrammarSpec:
         try:
             return cls("lark", any_to_lark(text), param)
         except Exception as e:  # the converter raises its own error types and plain ones on bad input
-            from .compiler import GrammarError
-
             raise GrammarError(f"invalid grammar: {e}", param) from e
