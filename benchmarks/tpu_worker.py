@@ -293,10 +293,10 @@ def first_mismatch(ref_model, prompts, got, want, ref_logits, cpu) -> list[dict]
     import jax
 
     out = []
-    for i, (p, g, w) in enumerate(zip(prompts, got, want)):
+    for i, (p, g, w) in enumerate(zip(prompts, got, want, strict=True)):
         if g == w:
             continue
-        k = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        k = next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
         row = dict(prompt=i, at=k, got=g[k] if k < len(g) else None, want=w[k] if k < len(w) else None)
         if row["got"] is not None and row["want"] is not None:
             with jax.default_device(cpu):
@@ -334,7 +334,9 @@ def correctness(args) -> None:
                     continue
                 row = dict(weights="f32" if quant == "none" else "int8", path=path)
                 try:
-                    surge = vsurge.vSurge.create(model, tok, engine_config(path, 4, 128, kv_cache_bytes=64 << 20))
+                    surge = vsurge.vSurge.create(
+                        model, tok, engine_config(path, 4, 128, kv_cache_bytes=64 << 20)
+                    )
                     surge.compile()
                     surge.start()
                     try:
