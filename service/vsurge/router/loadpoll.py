@@ -16,7 +16,6 @@ in-flight counts meanwhile.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -26,7 +25,7 @@ import httpx
 
 from .metrics import RouterMetrics
 from .picking import LoadReport, LoadTracker, parse_load
-from .table import EndpointTable
+from .upstream_polls import UpstreamPollers
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +65,10 @@ class LoadBook:
         return None
 
 
-class LoadPoller:
+class LoadPoller(UpstreamPollers):
     """Polls `/load` of every upstream in the table; plugs into the app like a discovery source."""
+
+    name = "vsurge-router-load"
 
     def __init__(
         self,
@@ -79,37 +80,13 @@ class LoadPoller:
         interval: float = 0.2,
         timeout: float = 1.0,
     ) -> None:
+        super().__init__()
         self.client = client
         self.book = book
         self.tracker = tracker
         self.metrics = metrics
         self.interval = interval
         self.timeout = timeout
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._follow: asyncio.Task[None] | None = None
-
-    async def start(self, table: EndpointTable) -> None:
-        self._follow = asyncio.create_task(self._follow_table(table), name="vsurge-router-load-follow")
-
-    async def stop(self) -> None:
-        tasks = [t for t in (self._follow, *self._tasks.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks.clear()
-
-    async def _follow_table(self, table: EndpointTable) -> None:
-        while True:
-            changed = table.changed_event()
-            wanted = {u for view in table.models() for u in view.upstreams}
-            for u in [u for u in self._tasks if u not in wanted]:
-                self._tasks.pop(u).cancel()
-                self.book.drop(u)
-            for u in wanted - set(self._tasks):
-                self._tasks[u] = asyncio.create_task(self._poll(u), name=f"vsurge-router-load {u}")
-            await changed.wait()
 
     async def _poll(self, upstream: str) -> None:
         url = f"{upstream}/load"

@@ -23,7 +23,6 @@ pod qualifies, every candidate stays, and the routing policy picks among them as
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -36,6 +35,7 @@ import httpx
 
 from .hashring import load_bound
 from .table import EndpointTable
+from .upstream_polls import UpstreamPollers
 
 log = logging.getLogger(__name__)
 
@@ -184,46 +184,24 @@ def aliases_from(table: EndpointTable, book: AdapterBook) -> dict[str, str]:
     return out
 
 
-class AdapterPoller:
-    """Polls every upstream's `/v1/models` and LoRA gauge; plugs into the app like a discovery source."""
+class AdapterPoller(UpstreamPollers):
+    """Polls every upstream's `/v1/models` and LoRA gauge; plugs into the app like a discovery source. It
+    re-syncs every interval too: the aliases are republished as reports arrive and go stale."""
+
+    name = "vsurge-router-lora"
 
     def __init__(
         self, client: httpx.AsyncClient, book: AdapterBook, *, interval: float = 1.0, timeout: float = 1.0
     ) -> None:
+        super().__init__()
         self.client = client
         self.book = book
-        self.interval = interval
+        self.interval = self.resync_every = interval
         self.timeout = timeout
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._follow: asyncio.Task[None] | None = None
         self._metrics_url: dict[str, str] = {}
 
-    async def start(self, table: EndpointTable) -> None:
-        self._follow = asyncio.create_task(self._follow_table(table), name="vsurge-router-lora-follow")
-
-    async def stop(self) -> None:
-        tasks = [t for t in (self._follow, *self._tasks.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks.clear()
-
-    async def _follow_table(self, table: EndpointTable) -> None:
-        while True:
-            changed = table.changed_event()
-            wanted = {u for view in table.models() for u in view.upstreams}
-            for u in [u for u in self._tasks if u not in wanted]:
-                self._tasks.pop(u).cancel()
-                self.book.drop(u)
-            for u in wanted - set(self._tasks):
-                self._tasks[u] = asyncio.create_task(self._poll(u), name=f"vsurge-router-lora {u}")
-            table.set_aliases(ALIAS_GROUP, aliases_from(table, self.book))
-            try:
-                await asyncio.wait_for(changed.wait(), timeout=self.interval)
-            except TimeoutError:
-                pass  # republish the aliases as reports arrive and go stale
+    def synced(self, table: EndpointTable) -> None:
+        table.set_aliases(ALIAS_GROUP, aliases_from(table, self.book))
 
     async def _poll(self, upstream: str) -> None:
         while True:
