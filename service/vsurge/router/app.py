@@ -421,23 +421,19 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
     clients: list[httpx.AsyncClient] = []
     tracker = LoadTracker(cfg.eject_seconds)
     book = LoadBook(stale_after=max(1.0, 5 * cfg.load_poll_seconds))
-    if cfg.load_poll_seconds > 0:
+    adapter_book = AdapterBook(stale_after=max(2.0, 5 * cfg.lora_poll_seconds))
+    if cfg.load_poll_seconds > 0 or cfg.lora_poll_seconds > 0:
+        # the pods' own reports (/load, /v1/models, the LoRA gauge): short timeouts, one pool for both
         poll_client = httpx.AsyncClient(
             timeout=httpx.Timeout(1.0, connect=min(1.0, cfg.connect_timeout_seconds)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30),
             trust_env=False,
         )
         clients.append(poll_client)
-        sources.append(LoadPoller(poll_client, book, tracker, metrics, interval=cfg.load_poll_seconds))
-    adapter_book = AdapterBook(stale_after=max(2.0, 5 * cfg.lora_poll_seconds))
-    if cfg.lora_poll_seconds > 0:
-        lora_client = httpx.AsyncClient(
-            timeout=httpx.Timeout(1.0, connect=min(1.0, cfg.connect_timeout_seconds)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30),
-            trust_env=False,
-        )
-        clients.append(lora_client)
-        sources.append(AdapterPoller(lora_client, adapter_book, interval=cfg.lora_poll_seconds))
+        if cfg.load_poll_seconds > 0:
+            sources.append(LoadPoller(poll_client, book, tracker, metrics, interval=cfg.load_poll_seconds))
+        if cfg.lora_poll_seconds > 0:
+            sources.append(AdapterPoller(poll_client, adapter_book, interval=cfg.lora_poll_seconds))
     picker = Picker(
         tracker,
         book,
