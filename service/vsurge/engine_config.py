@@ -9,7 +9,7 @@
 name with dashes (``--max-concurrent-decodes``), the variable ``VSURGE_`` + the name in capitals
 (``VSURGE_MAX_CONCURRENT_DECODES``); the help text and the text parser come from the field's metadata.
 Adding a knob: one ``knob(...)`` field here (``serve=True`` to make it a serve option), then read
-``config.<name>`` where it acts.
+``config.<name>`` where it acts; ``python tools/gen_docs.py`` then gives InferenceModels ``spec.engine.<name>``.
 
 ``None`` given for a field whose default is not ``None`` means that default (``seed=None`` -> 894), so
 callers may pass "unset" through. ``None`` where the default is ``None`` means "decided by the engine" (see
@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_SEED",
     "ATTENTION_BACKENDS",
     "DRIVERS",
+    "DriverOnly",
     "MAX_LENGTH_CAP",
     "QUANTIZATIONS",
     "SPECULATIVE_METHODS",
@@ -89,6 +90,10 @@ def _number(v: Any) -> float:
     return float(v)
 
 
+# A check's bounds are also attributes of it (minimum, maximum, exclusive_minimum): the InferenceModel CRD
+# and the operator are generated from them (tools/docgen/engine_crd.py), so they say what the check does.
+
+
 def at_least(low: int) -> Callable[[Any], int]:
     def check(v: Any) -> int:
         v = _integer(v)
@@ -96,6 +101,7 @@ def at_least(low: int) -> Callable[[Any], int]:
             raise ValueError(f"must be >= {low}, got {v}")
         return v
 
+    check.minimum = low  # type: ignore[attr-defined]
     return check
 
 
@@ -106,6 +112,9 @@ def _fraction(v: Any) -> float:
     return v
 
 
+_fraction.minimum, _fraction.exclusive_minimum, _fraction.maximum = 0, True, 1  # type: ignore[attr-defined]
+
+
 def _lengths(v: Any) -> tuple[int, ...]:
     if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
         raise ValueError(f"expected a list of integers, got {v!r}")
@@ -113,6 +122,9 @@ def _lengths(v: Any) -> tuple[int, ...]:
     if not out:
         raise ValueError("expected at least one length")
     return out
+
+
+_lengths.minimum = 1  # type: ignore[attr-defined]  # of each length
 
 
 def _one_of(*choices: str) -> Callable[[Any], str]:
@@ -133,6 +145,18 @@ def _mesh(v: Any) -> Any:
 # ------------------------------------------------------------------------------------ fields
 
 
+@dataclass(frozen=True)
+class DriverOnly:
+    """A knob that acts on one driver: any value but ``idle`` (and None) needs that driver. ``what`` names
+    what it changes there; ``message`` is EngineConfig's refusal (the CRD's rule and the operator say
+    "<key> applies to driver vdriver's <what>")."""
+
+    idle: tuple[Any, ...]
+    what: str
+    message: str = "{value} is {only}'s {what}, not {driver}'s"
+    driver: str = "vdriver"
+
+
 def knob(
     default: Any,
     help: str,  # noqa: A002 - argparse's word
@@ -142,25 +166,38 @@ def knob(
     text: Callable[[str], Any] | None = None,
     metavar: str | None = None,
     shown: str | None = None,
+    choices: Sequence[Any] | None = None,
+    limits: tuple[int, int] | None = None,
+    only: DriverOnly | None = None,
 ) -> Any:
     """A field of EngineConfig. ``check`` validates (and normalizes) a value; ``serve=True`` makes it a
     ``vsurge serve`` option, parsed from text by ``text`` and then checked; ``shown``: the default as the
-    help prints it where the field's default is None."""
+    help prints it where the field's default is None; ``only``: the driver it needs.
+
+    ``choices`` and ``limits`` (minimum, maximum; of each item for a list) narrow what an InferenceModel
+    may ask for beyond ``check`` (the CRD and the operator enforce them): a deployment gets the sizes
+    that are tuned and bounded, while tests and Python callers may build tiny engines."""
     meta = {"help": help, "check": check, "serve": serve, "text": text, "metavar": metavar, "shown": shown}
+    meta.update(choices=None if choices is None else tuple(choices), limits=limits, only=only)
     return field(default=default, metadata=meta)
 
 
-def choice_knob(default: str, help: str, choices: Sequence[str]) -> Any:  # noqa: A002 - argparse's word
+def choice_knob(
+    default: str,
+    help: str,  # noqa: A002 - argparse's word
+    choices: Sequence[str],
+    only: DriverOnly | None = None,
+) -> Any:
     """A ``vsurge serve`` knob that takes one of ``choices``."""
-    return knob(default, help, check=_one_of(*choices), serve=True, text=parse_choice(*choices))
-
-
-# vdriver-only knobs: what each one changes, for the error when another driver is asked for
-VDRIVER_ONLY = {
-    "kv_cache_dtype": "dense cache, not {driver}'s pages",
-    "prefill_dtype": "packed prefill, not {driver}'s",
-    "decode_dtype": "decode step, not {driver}'s",
-}
+    return knob(
+        default,
+        help,
+        check=_one_of(*choices),
+        serve=True,
+        text=parse_choice(*choices),
+        choices=choices,
+        only=only,
+    )
 
 
 # Knobs that did nothing and were removed (issue 31): name -> why, and what to use. Giving one is an error
@@ -189,6 +226,7 @@ class EngineConfig:
         serve=True,
         text=parse_int,
         metavar="N",
+        limits=(1, 4096),
     )
     max_concurrent_prefill: int | None = knob(
         None,
@@ -207,6 +245,7 @@ class EngineConfig:
         text=parse_int,
         metavar="N",
         shown=f"the model's context, at most {MAX_LENGTH_CAP}",
+        limits=(16, 1048576),
     )
     prefill_lengths: tuple[int, ...] | None = knob(
         None,
@@ -216,6 +255,7 @@ class EngineConfig:
         text=parse_int_list,
         metavar="N,N,...",
         shown="powers of two from 32",
+        limits=(16, 1048576),
     )
     max_prefill_length: int | None = knob(
         None,
@@ -263,6 +303,7 @@ class EngineConfig:
         serve=True,
         text=parse_int,
         metavar="N",
+        choices=(8, 16, 32, 64, 128, 256, 512, 1024),
     )
     hbm_utilization: float = knob(
         0.6,
@@ -306,6 +347,7 @@ class EngineConfig:
         "speculative decoding: none, or ngram (prompt lookup: drafts copied from earlier in the prompt and "
         "output, verified in one batched step; greedy output unchanged; vdriver)",
         SPECULATIVE_METHODS,
+        DriverOnly(("none",), "speculative decoding", "{value} decoding runs on driver {only}, not {driver}"),
     )
     num_speculative_tokens: int = knob(
         4,
@@ -314,12 +356,14 @@ class EngineConfig:
         serve=True,
         text=parse_int,
         metavar="K",
+        limits=(1, 16),
     )
     kv_cache_dtype: str = choice_knob(
         "auto",
         "KV cache dtype: auto (the model's) or bfloat16 (half the bytes a decode step reads; stored as bits "
         "and widened to float32 for attention; vdriver)",
         KV_CACHE_DTYPES,
+        DriverOnly(("auto",), "dense cache"),
     )
     prefill_dtype: str = choice_knob(
         "auto",
@@ -327,12 +371,14 @@ class EngineConfig:
         "prompt processing, float32 activations and accumulation: XLA:CPU's bf16 matmuls are ~1.7x faster; "
         "vdriver)",
         PREFILL_DTYPES,
+        DriverOnly(("auto",), "packed prefill"),
     )
     decode_dtype: str = choice_knob(
         "auto",
         "decode's matmul dtype: auto (the model's) or bfloat16 (a bfloat16 copy of float32 matmul kernels "
         "for decode steps of 8 rows or more, float32 activations and accumulation; vdriver)",
         DECODE_DTYPES,
+        DriverOnly(("auto",), "decode step"),
     )
     decode_steps: int | None = knob(
         None,
@@ -344,6 +390,7 @@ class EngineConfig:
         text=parse_int,
         metavar="K",
         shown="4 on TPU, 1 elsewhere",
+        only=DriverOnly((1,), "decode blocks", "blocks of {value} are {only}'s, not {driver}'s"),
     )
     interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
     quantization: str = choice_knob(
@@ -372,18 +419,11 @@ class EngineConfig:
                     object.__setattr__(self, f.name, check(value))
                 except ValueError as e:
                     raise ValueError(f"{f.name}: {e}") from None
-        if self.speculative != "none" and self.driver != "vdriver":
-            raise ValueError(
-                f"speculative: {self.speculative} decoding runs on driver vdriver, not {self.driver}"
-            )
-        for name, what in VDRIVER_ONLY.items():
-            value = getattr(self, name)
-            if value != "auto" and self.driver != "vdriver":
-                raise ValueError(f"{name}: {value} is vdriver's {what.format(driver=self.driver)}")
-        if self.decode_steps not in (None, 1) and self.driver != "vdriver":
-            raise ValueError(
-                f"decode_steps: blocks of {self.decode_steps} are vdriver's, not {self.driver}'s"
-            )
+        for f in _DRIVER_ONLY:
+            only, value = f.metadata["only"], getattr(self, f.name)
+            if value is not None and value not in only.idle and self.driver != only.driver:
+                text = only.message.format(value=value, what=only.what, only=only.driver, driver=self.driver)
+                raise ValueError(f"{f.name}: {text}")
         mpl, ml = self.max_prefill_length, self.max_length
         if mpl is not None and ml is not None and mpl > ml:
             raise ValueError(f"max_prefill_length {mpl} exceeds max_length {ml}")
@@ -415,6 +455,7 @@ class EngineConfig:
 
 
 _NAMES = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+_DRIVER_ONLY = tuple(f for f in dataclasses.fields(EngineConfig) if f.metadata.get("only"))
 
 
 def _refuse_removed(values: dict[str, Any]) -> None:

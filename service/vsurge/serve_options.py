@@ -27,6 +27,7 @@ from vsurge.env_options import (
 from vsurge.multihost.group import parse_address, parse_non_negative
 
 DEFAULT_PORT = 11556
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the parameters' (InferenceModel spec.engine.dtype too)
 
 
 # ---------------------------------------------------------------------------------------- value types
@@ -130,7 +131,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option(
         "--dtype",
         "VSURGE_DTYPE",
-        _choice("float32", "bfloat16", "float16"),
+        _choice(*DTYPES),
         None,
         "parameter dtype (default: float32 on CPU, bfloat16 elsewhere)",
     ),
