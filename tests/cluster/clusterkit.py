@@ -132,7 +132,8 @@ class Kubelet:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        if self._thread.ident is not None:  # never started (a test failed before): nothing to join
+            self._thread.join(10)
 
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
