@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vsurge_operator import adapters, compile_cache, gpu, lane, podsecurity, rollout, tpu
+from vsurge_operator import adapters, compile_cache, engine_options, gpu, lane, podsecurity, rollout, tpu
 
 # re-exported: the labels and owner reference every object carries live in labels.py (lane.py stamps them too)
 from vsurge_operator.labels import (  # noqa: F401
@@ -88,10 +88,47 @@ def mesh(model: ModelSpec) -> str | None:
     return model.placement.mesh() if model.placement else None
 
 
+# The order in which pods of operators before the generated table (issue 31) carry these: drift compares env
+# lists in order, so keeping it spares every model a rollout when the operator is upgraded. Options added
+# since follow in the table's order.
+_ENV_ORDER = (
+    "VSURGE_DRIVER",
+    "VSURGE_MAX_CONCURRENT_DECODES",
+    "VSURGE_MAX_LENGTH",
+    "VSURGE_PREFILL_LENGTHS",
+    "VSURGE_PAGE_SIZE",
+    "VSURGE_HBM_UTILIZATION",
+    "VSURGE_MESH",
+    "VSURGE_DTYPE",
+    "VSURGE_QUANTIZATION",
+    "VSURGE_SPECULATIVE",
+    "VSURGE_NUM_SPECULATIVE_TOKENS",
+    "VSURGE_KV_CACHE_DTYPE",
+    "VSURGE_PREFILL_DTYPE",
+    "VSURGE_DECODE_DTYPE",
+)
+
+
+def engine_env(model: ModelSpec) -> list[tuple[str, str]]:
+    """(variable, text) of every spec.engine option that is set (engine_options.OPTIONS), and the mesh,
+    which defaults to one covering the slice; as `vsurge serve` parses them (a list comma-separated)."""
+    values = {
+        o.env: mesh(model) if o.field == "mesh" else getattr(model.engine, o.field)
+        for o in engine_options.OPTIONS
+        if o.env
+    }
+    known = len(_ENV_ORDER)
+    names = sorted(values, key=lambda n: _ENV_ORDER.index(n) if n in _ENV_ORDER else known)
+    return [(n, _env_text(values[n])) for n in names if values[n] is not None]
+
+
+def _env_text(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+
+
 def env(model: ModelSpec) -> list[dict[str, Any]]:
     """Container environment: downward API first (later values expand ``$(POD_NAME)`` etc.), then the
     ``VSURGE_*`` configuration of ``vsurge serve``, OpenTelemetry, and the user's overrides last."""
-    e = model.engine
     out: list[dict[str, Any]] = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
@@ -102,23 +139,7 @@ def env(model: ModelSpec) -> list[dict[str, Any]]:
         _value_env("VSURGE_MODEL", model_path(model.source)),
         _value_env("VSURGE_SERVED_MODEL_NAME", model.served_name),
     ]
-    optional: list[tuple[str, Any]] = [
-        ("VSURGE_DRIVER", e.driver),
-        ("VSURGE_MAX_CONCURRENT_DECODES", e.max_concurrent_decodes),
-        ("VSURGE_MAX_LENGTH", e.max_length),
-        ("VSURGE_PREFILL_LENGTHS", ",".join(map(str, e.prefill_lengths)) if e.prefill_lengths else None),
-        ("VSURGE_PAGE_SIZE", e.page_size),
-        ("VSURGE_HBM_UTILIZATION", e.hbm_utilization),
-        ("VSURGE_MESH", mesh(model)),
-        ("VSURGE_DTYPE", e.dtype),
-        ("VSURGE_QUANTIZATION", e.quantization),
-        ("VSURGE_SPECULATIVE", e.speculative),
-        ("VSURGE_NUM_SPECULATIVE_TOKENS", e.num_speculative_tokens),
-        ("VSURGE_KV_CACHE_DTYPE", e.kv_cache_dtype),
-        ("VSURGE_PREFILL_DTYPE", e.prefill_dtype),
-        ("VSURGE_DECODE_DTYPE", e.decode_dtype),
-    ]
-    out += [_value_env(k, v) for k, v in optional if v is not None]
+    out += [_value_env(k, v) for k, v in engine_env(model)]
     out.append(_value_env("VSURGE_CACHE_DIR", CACHE_DIR))
     # The image's HF_HOME is under its root filesystem, which is read-only here: keep it in the cache.
     out.append(_value_env("HF_HOME", f"{CACHE_DIR}/huggingface"))

@@ -9,11 +9,11 @@ while the operator must also cope with objects stored before a default existed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 from vsurge_operator import adapters as adaptersmod
-from vsurge_operator import gpu, tpu
+from vsurge_operator import engine_options, gpu, tpu
 
 HTTP_PORT = 11556
 METRICS_PORT = 11557
@@ -29,26 +29,18 @@ PROMETHEUS_SERIES = {
 }
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """Engine knobs; ``None`` means "not set": the server's own default applies."""
-
-    driver: str | None = None
-    max_concurrent_decodes: int | None = None
-    max_length: int | None = None
-    prefill_lengths: tuple[int, ...] | None = None
-    page_size: int | None = None
-    hbm_utilization: float | None = None
-    dtype: str | None = None
-    mesh: str | None = None
-    quantization: str | None = None
-    speculative: str | None = None
-    num_speculative_tokens: int | None = None
-    kv_cache_dtype: str | None = None
-    prefill_dtype: str | None = None
-    decode_dtype: str | None = None
-    max_loras: int | None = None
-    max_lora_rank: int | None = None
+# spec.engine: one attribute per key of engine_options.OPTIONS (generated from vsurge's EngineConfig), named
+# as EngineConfig's field; None means "not set": the server's own default applies. Built from the table so
+# that a new serve knob needs no edit here.
+EngineSpec = make_dataclass(
+    "EngineSpec",
+    [(o.field, Any, field(default=None)) for o in engine_options.OPTIONS],
+    frozen=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": "spec.engine's options by EngineConfig field name; None: not set (the server's default).",
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -189,25 +181,6 @@ _AUTOSCALING_KEYS = {
     "policyPeriodSeconds": "policy_period_seconds",
 }
 
-_ENGINE_KEYS = {
-    "driver": "driver",
-    "maxConcurrentDecodes": "max_concurrent_decodes",
-    "maxLength": "max_length",
-    "prefillLengths": "prefill_lengths",
-    "pageSize": "page_size",
-    "hbmUtilization": "hbm_utilization",
-    "dtype": "dtype",
-    "mesh": "mesh",
-    "quantization": "quantization",
-    "speculative": "speculative",
-    "numSpeculativeTokens": "num_speculative_tokens",
-    "kvCacheDtype": "kv_cache_dtype",
-    "prefillDtype": "prefill_dtype",
-    "decodeDtype": "decode_dtype",
-    "maxLoras": "max_loras",
-    "maxLoraRank": "max_lora_rank",
-}
-
 
 def autoscaling_from(raw: Mapping[str, Any] | None) -> AutoscalingSpec:
     raw = raw or {}
@@ -215,12 +188,11 @@ def autoscaling_from(raw: Mapping[str, Any] | None) -> AutoscalingSpec:
     return AutoscalingSpec(**kwargs)
 
 
-def engine_from(raw: Mapping[str, Any] | None) -> EngineSpec:
+def engine_from(raw: Mapping[str, Any] | None) -> Any:
+    """spec.engine -> EngineSpec; a list becomes a tuple (the spec is frozen and hashable)."""
     raw = raw or {}
-    kwargs = {py: raw[k] for k, py in _ENGINE_KEYS.items() if raw.get(k) is not None}
-    if "prefill_lengths" in kwargs:
-        kwargs["prefill_lengths"] = tuple(kwargs["prefill_lengths"])
-    return EngineSpec(**kwargs)
+    values = {o.field: raw[o.key] for o in engine_options.OPTIONS if raw.get(o.key) is not None}
+    return EngineSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def accelerator_of(spec: Mapping[str, Any]) -> str:

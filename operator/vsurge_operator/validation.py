@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vsurge_operator import adapters, gpu, podspec_validation, tpu
+from vsurge_operator import adapters, engine_options, gpu, podspec_validation, tpu
 from vsurge_operator import spec as specmod
 
 # Keep in sync with helm/vsurge/crds/inferencemodels.vsurge.io.yaml (tests compare them).
@@ -24,42 +24,25 @@ SOURCE_PATTERN = (
 )
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 TOPOLOGY_PATTERN = r"^[1-9][0-9]*x[1-9][0-9]*(x[1-9][0-9]*)?$"
-MESH_PATTERN = r"^(dp|fsdp|tp|sp|ep)=[1-9][0-9]*(,(dp|fsdp|tp|sp|ep)=[1-9][0-9]*)*$"
+MESH_AXES = ("dp", "fsdp", "tp", "sp", "ep")
+_AXIS = "|".join(MESH_AXES)
+MESH_PATTERN = rf"^({_AXIS})=[1-9][0-9]*(,({_AXIS})=[1-9][0-9]*)*$"
 TRACING_ENDPOINT_PATTERN = r"^(https?|grpc)://[^\s]+$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 MESH_MAX_LENGTH = 64  # the CRD's maxLength (it bounds the cost of the mesh's CEL rule)
+PREFILL_LENGTHS_MAX_ITEMS = 32  # the CRD's maxItems (it bounds the cost of the buckets' CEL rule)
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 
-DRIVERS = ("vdriver", "odriver")
-DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZATIONS = ("none", "int8")
-SPECULATIVE_METHODS = ("none", "ngram")
-KV_CACHE_DTYPES = ("auto", "bfloat16")
-PREFILL_DTYPES = ("auto", "bfloat16")
-DECODE_DTYPES = ("auto", "bfloat16")
-# spec.engine's vdriver-only dtype fields: their choices and what each changes (the CRD's CEL messages)
-VDRIVER_DTYPES = {
-    "kvCacheDtype": (KV_CACHE_DTYPES, "dense cache"),
-    "prefillDtype": (PREFILL_DTYPES, "packed prefill"),
-    "decodeDtype": (DECODE_DTYPES, "decode step"),
-}
 GPU_TYPE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"  # a label value (<= 63 characters)
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-PAGE_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
-# Ranges shared with the CRD schema: (minimum, maximum).
+# Ranges shared with the CRD schema: (minimum, maximum); spec.engine's are in engine_options.OPTIONS.
 RANGES: dict[str, tuple[float, float]] = {
     "spec.replicas": (0, 1000),
-    "spec.engine.maxConcurrentDecodes": (1, 4096),
-    "spec.engine.maxLength": (16, 1048576),
-    "spec.engine.numSpeculativeTokens": (1, 16),
-    "spec.engine.maxLoras": (1, 1024),
-    "spec.engine.maxLoraRank": (1, 1024),
-    "spec.engine.prefillLengths[]": (16, 1048576),
     "spec.autoscaling.minReplicas": (0, 1000),
     "spec.autoscaling.maxReplicas": (1, 1000),
     "spec.autoscaling.tolerance": (0, 0.5),
@@ -118,14 +101,17 @@ class _Checker:
         elif pattern and not re.fullmatch(pattern, value):
             self.fail(path, f"{value!r} does not match {pattern}")
 
-    def integer(self, value: Any, path: str, range_key: str | None = None) -> None:
+    def integer(
+        self, value: Any, path: str, range_key: str | None = None, bounds: tuple[Any, Any] | None = None
+    ) -> bool:
+        """Whether ``value`` is an integer in range (None: nothing to check, False)."""
         if value is None:
-            return
+            return False
         # bool is an int in Python but never a valid replica count or length.
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(path, "must be an integer")
-            return
-        self._range(value, path, range_key or path)
+            return False
+        return self._range(value, path, range_key or path, bounds)
 
     def number(
         self, value: Any, path: str, range_key: str | None = None, exclusive_min: bool = False
@@ -140,11 +126,17 @@ class _Checker:
             return
         self._range(value, path, range_key or path)
 
-    def _range(self, value: float, path: str, range_key: str) -> None:
-        if range_key in RANGES:
-            lo, hi = RANGES[range_key]
-            if not lo <= value <= hi:
-                self.fail(path, f"must be between {lo:g} and {hi:g} (got {value})")
+    def _range(self, value: float, path: str, range_key: str, bounds: tuple[Any, Any] | None = None) -> bool:
+        lo, hi = bounds or RANGES.get(range_key, (None, None))
+        if lo is not None and hi is not None and not lo <= value <= hi:
+            self.fail(path, f"must be between {lo:g} and {hi:g} (got {value})")
+        elif lo is not None and value < lo:
+            self.fail(path, f"must be >= {lo:g} (got {value})")
+        elif hi is not None and value > hi:
+            self.fail(path, f"must be <= {hi:g} (got {value})")
+        else:
+            return True
+        return False
 
 
 def validate(
@@ -202,51 +194,65 @@ def validate(
 
 
 def _validate_engine(c: _Checker, engine: Mapping[str, Any]) -> None:
-    c.string(engine.get("driver"), "spec.engine.driver", choices=DRIVERS)
-    c.integer(engine.get("maxConcurrentDecodes"), "spec.engine.maxConcurrentDecodes")
-    c.integer(engine.get("maxLength"), "spec.engine.maxLength")
-    page_size = engine.get("pageSize")
-    c.integer(page_size, "spec.engine.pageSize")
-    if isinstance(page_size, int) and not isinstance(page_size, bool) and page_size not in PAGE_SIZES:
-        c.fail("spec.engine.pageSize", f"must be one of {', '.join(map(str, PAGE_SIZES))} (got {page_size})")
-    c.number(engine.get("hbmUtilization"), "spec.engine.hbmUtilization", exclusive_min=True)
-    hbm = engine.get("hbmUtilization")
-    if isinstance(hbm, int | float) and not isinstance(hbm, bool) and hbm > 1:
-        c.fail("spec.engine.hbmUtilization", f"must be <= 1 (got {hbm})")
-    c.string(engine.get("dtype"), "spec.engine.dtype", choices=DTYPES)
-    c.string(engine.get("quantization"), "spec.engine.quantization", choices=QUANTIZATIONS)
-    c.string(engine.get("speculative"), "spec.engine.speculative", choices=SPECULATIVE_METHODS)
-    c.integer(engine.get("numSpeculativeTokens"), "spec.engine.numSpeculativeTokens")
-    c.integer(engine.get("maxLoras"), "spec.engine.maxLoras")
-    c.integer(engine.get("maxLoraRank"), "spec.engine.maxLoraRank")
-    if engine.get("speculative") not in (None, "none") and engine.get("driver") not in (None, "vdriver"):
-        c.fail("spec.engine.speculative", "speculative decoding runs on driver vdriver")
-    for name, (choices, what) in VDRIVER_DTYPES.items():
-        c.string(engine.get(name), f"spec.engine.{name}", choices=choices)
-        if engine.get(name) not in (None, "auto") and engine.get("driver") not in (None, "vdriver"):
-            c.fail(f"spec.engine.{name}", f"{name} applies to driver vdriver's {what}")
-    c.string(engine.get("mesh"), "spec.engine.mesh", MESH_PATTERN)
-    if isinstance(engine.get("mesh"), str) and len(engine["mesh"]) > MESH_MAX_LENGTH:
-        c.fail("spec.engine.mesh", f"must be at most {MESH_MAX_LENGTH} characters")
-
+    # each option as engine_options.OPTIONS says (generated from EngineConfig, as the CRD is)
+    driver = engine.get("driver") or engine_options.DEFAULT_DRIVER
+    for o in engine_options.OPTIONS:
+        value, path = engine.get(o.key), f"spec.engine.{o.key}"
+        if value is None:
+            continue
+        if o.kind == "integers":
+            _integers(c, value, path, o)
+        elif o.kind == "integer":
+            if c.integer(value, path, bounds=(o.minimum, o.maximum)) and o.choices and value not in o.choices:
+                c.fail(path, f"must be one of {', '.join(map(str, o.choices))} (got {value})")
+        elif o.kind == "number":
+            _number(c, value, path, o)
+        else:
+            c.string(value, path, choices=o.choices)
+        if o.only and value not in o.idle and driver != o.only:
+            c.fail(path, f"{o.key} applies to driver {o.only}'s {o.what}")
+    # Kubernetes' own rules (the CRD's too: tools/docgen/engine_crd.py writes them from these constants)
+    mesh = engine.get("mesh")
+    if isinstance(mesh, str):
+        c.string(mesh, "spec.engine.mesh", MESH_PATTERN)
+        if len(mesh) > MESH_MAX_LENGTH:
+            c.fail("spec.engine.mesh", f"must be at most {MESH_MAX_LENGTH} characters")
     lengths = engine.get("prefillLengths")
-    if lengths is None:
-        return
-    if not isinstance(lengths, list) or not lengths:
-        c.fail("spec.engine.prefillLengths", "must be a non-empty list of integers")
-        return
-    for i, n in enumerate(lengths):
-        c.integer(n, f"spec.engine.prefillLengths[{i}]", "spec.engine.prefillLengths[]")
-    ints = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool)]
-    if len(ints) == len(lengths):
+    ints = [n for n in lengths if _is_int(n)] if isinstance(lengths, list) else []
+    if ints and len(ints) == len(lengths):
+        if len(ints) > PREFILL_LENGTHS_MAX_ITEMS:
+            c.fail("spec.engine.prefillLengths", f"must have at most {PREFILL_LENGTHS_MAX_ITEMS} buckets")
         if any(b <= a for a, b in zip(ints, ints[1:], strict=False)):
             c.fail("spec.engine.prefillLengths", f"must be strictly increasing (got {ints})")
         max_length = engine.get("maxLength")
-        if isinstance(max_length, int) and not isinstance(max_length, bool) and ints[-1] > max_length:
+        if _is_int(max_length) and ints[-1] > max_length:
             c.fail(
                 "spec.engine.prefillLengths",
                 f"longest bucket {ints[-1]} exceeds spec.engine.maxLength {max_length}",
             )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integers(c: _Checker, value: Any, path: str, o: engine_options.EngineOption) -> None:
+    if not isinstance(value, list) or not value:
+        c.fail(path, "must be a non-empty list of integers")
+        return
+    for i, n in enumerate(value):
+        c.integer(n, f"{path}[{i}]", bounds=(o.minimum, o.maximum))
+
+
+def _number(c: _Checker, value: Any, path: str, o: engine_options.EngineOption) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        c.fail(path, "must be a number")
+    elif o.minimum is not None and o.exclusive_minimum and value <= o.minimum:
+        c.fail(path, f"must be > {o.minimum:g} (got {value})")
+    elif o.minimum is not None and value < o.minimum:
+        c.fail(path, f"must be >= {o.minimum:g} (got {value})")
+    elif o.maximum is not None and value > o.maximum:
+        c.fail(path, f"must be <= {o.maximum:g} (got {value})")
 
 
 def _validate_tpu(c: _Checker, raw: Any) -> tpu.TpuPlacement | None:

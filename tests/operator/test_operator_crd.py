@@ -15,7 +15,7 @@ import pytest
 from kubernetes_validate import utils as kv
 from operator_harness import DELETE, issue_example, with_field
 
-from vsurge_operator import crd, spec, tpu, validation
+from vsurge_operator import crd, engine_options, spec, tpu, validation
 
 CRD = crd.load_crd()
 SCHEMA = crd.openapi_schema(CRD)
@@ -367,9 +367,6 @@ def test_schema_matches_the_operator():
     assert tuple(toleration["operator"]["enum"]) == validation.TOLERATION_OPERATORS
     assert tuple(toleration["effect"]["enum"]) == validation.TAINT_EFFECTS
     assert set(SPEC["tpu"]["properties"]["accelerator"]["enum"]) == set(tpu.ACCELERATORS)
-    assert tuple(SPEC["engine"]["properties"]["driver"]["enum"]) == validation.DRIVERS
-    assert tuple(SPEC["engine"]["properties"]["dtype"]["enum"]) == validation.DTYPES
-    assert tuple(SPEC["engine"]["properties"]["pageSize"]["enum"]) == validation.PAGE_SIZES
     assert tuple(SPEC["imagePullPolicy"]["enum"]) == validation.PULL_POLICIES
     assert tuple(SPEC["autoscaling"]["properties"]["metric"]["enum"]) == spec.METRICS
     for key, (lo, hi) in validation.RANGES.items():
@@ -379,6 +376,26 @@ def test_schema_matches_the_operator():
             if part.endswith("[]"):
                 node = node["items"]
         assert (node.get("minimum"), node.get("maximum")) == (lo, hi), key
+
+
+def test_engine_schema_matches_the_operators_table():
+    """spec.engine and engine_options.OPTIONS are generated together (from EngineConfig: the drift test is
+    tests/service/test_engine_config.py); here, without vsurge, they agree key by key."""
+    props = SPEC["engine"]["properties"]
+    assert list(props) == [o.key for o in engine_options.OPTIONS]
+    for o in engine_options.OPTIONS:
+        node = props[o.key]
+        bounds = node["items"] if o.kind == "integers" else node
+        assert node["type"] == {"integers": "array"}.get(o.kind, o.kind), o.key
+        assert tuple(node.get("enum", ())) == o.choices, o.key
+        assert (bounds.get("minimum"), bounds.get("maximum")) == (o.minimum, o.maximum), o.key
+        assert bounds.get("exclusiveMinimum", False) == o.exclusive_minimum, o.key
+        assert "default" not in node, f"{o.key}: unset must mean the server's default"
+    rules = {r["fieldPath"]: r for r in SPEC["engine"]["x-kubernetes-validations"] if "fieldPath" in r}
+    for o in engine_options.OPTIONS:
+        if o.only:
+            assert rules[f".{o.key}"]["message"] == f"{o.key} applies to driver {o.only}'s {o.what}"
+    assert SPEC["engine"]["properties"]["prefillLengths"]["maxItems"] == validation.PREFILL_LENGTHS_MAX_ITEMS
 
 
 def test_defaults_match_the_operator():

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from kubernetes_validate import utils as kv
 
-from vsurge_operator import crd, gpu, manifests, spec, validation
+from vsurge_operator import crd, engine_options, gpu, manifests, spec, validation
 
 SCHEMA = crd.openapi_schema(crd.load_crd())
 SPEC = SCHEMA["properties"]["spec"]
@@ -35,10 +35,11 @@ def env(m: spec.ModelSpec) -> dict[str, str]:
 
 def test_schema_matches_the_operator():
     props = SPEC["properties"]
-    assert tuple(props["engine"]["properties"]["quantization"]["enum"]) == validation.QUANTIZATIONS
     from vsurge.engine_config import QUANTIZATIONS
 
-    assert validation.QUANTIZATIONS == QUANTIZATIONS  # the CRD offers what vsurge serve accepts
+    # the CRD and the operator offer what vsurge serve accepts
+    assert tuple(props["engine"]["properties"]["quantization"]["enum"]) == QUANTIZATIONS
+    assert engine_options.BY_KEY["quantization"].choices == QUANTIZATIONS
     assert props["gpu"]["properties"]["type"]["pattern"] == validation.GPU_TYPE_PATTERN
     assert props["gpu"]["required"] == ["count"]
     rules = {r["rule"] for r in SPEC["x-kubernetes-validations"]}
@@ -66,7 +67,7 @@ def test_speculative_decoding_reaches_the_pod_and_vsurge_serve():
     from vsurge.engine_config import SPECULATIVE_METHODS
 
     assert tuple(SPEC["properties"]["engine"]["properties"]["speculative"]["enum"]) == SPECULATIVE_METHODS
-    assert validation.SPECULATIVE_METHODS == SPECULATIVE_METHODS
+    assert engine_options.BY_KEY["speculative"].choices == SPECULATIVE_METHODS
     b = body(engine={"speculative": "ngram", "numSpeculativeTokens": 6})
     VALIDATOR.validate(b)
     assert validation.validate(b) == []
@@ -85,9 +86,12 @@ def test_kv_cache_prefill_and_decode_dtypes_reach_the_pod_and_vsurge_serve():
     from vsurge.engine_config import DECODE_DTYPES, KV_CACHE_DTYPES, PREFILL_DTYPES
 
     engine = SPEC["properties"]["engine"]["properties"]
-    assert tuple(engine["kvCacheDtype"]["enum"]) == KV_CACHE_DTYPES == validation.KV_CACHE_DTYPES
-    assert tuple(engine["prefillDtype"]["enum"]) == PREFILL_DTYPES == validation.PREFILL_DTYPES
-    assert tuple(engine["decodeDtype"]["enum"]) == DECODE_DTYPES == validation.DECODE_DTYPES
+    for key, choices in (
+        ("kvCacheDtype", KV_CACHE_DTYPES),
+        ("prefillDtype", PREFILL_DTYPES),
+        ("decodeDtype", DECODE_DTYPES),
+    ):
+        assert tuple(engine[key]["enum"]) == choices == engine_options.BY_KEY[key].choices
     b = body(engine={"kvCacheDtype": "bfloat16", "prefillDtype": "bfloat16", "decodeDtype": "bfloat16"})
     VALIDATOR.validate(b)
     assert validation.validate(b) == []

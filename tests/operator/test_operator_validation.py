@@ -35,6 +35,15 @@ VALID = [
         serviceAccountName="vsurge-models",
     ),
     body(autoscaling={"enabled": True, "metric": "prefillQueueSize", "target": 4}),
+    body(  # driver-restricted options at their idle values are fine on the other driver
+        engine={
+            "driver": "odriver",
+            "decodeSteps": 1,
+            "speculative": "none",
+            "kvCacheDtype": "auto",
+            "seed": 7,
+        }
+    ),
 ]
 
 
@@ -82,6 +91,13 @@ BAD = [
     ("spec.engine.decodeDtype", _with("spec.engine", {"decodeDtype": "bfloat16", "driver": "odriver"})),
     ("spec.engine.numSpeculativeTokens", _with("spec.engine", {"numSpeculativeTokens": 0})),
     ("spec.engine.numSpeculativeTokens", _with("spec.engine", {"numSpeculativeTokens": 17})),
+    # the serve options the CRD gained with the generated table (issue 31)
+    ("spec.engine.maxConcurrentPrefill", _with("spec.engine", {"maxConcurrentPrefill": 0})),
+    ("spec.engine.seed", _with("spec.engine", {"seed": "7"})),
+    ("spec.engine.attention", _with("spec.engine", {"attention": "flash"})),
+    ("spec.engine.maxNumBatchedTokens", _with("spec.engine", {"maxNumBatchedTokens": 0})),
+    ("spec.engine.decodeSteps", _with("spec.engine", {"decodeSteps": 0})),
+    ("spec.engine.decodeSteps", _with("spec.engine", {"decodeSteps": 4, "driver": "odriver"})),
     ("spec.engine.mesh", _with("spec.engine", {"mesh": "tp=0"})),
     ("spec.engine.mesh", _with("spec.engine", {"mesh": "tp=2,tp=4"})),
     ("spec.engine.mesh", _with("spec.engine", {"mesh": "tp=4"}, _with("spec.tpu", TPU))),

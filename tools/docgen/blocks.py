@@ -56,3 +56,27 @@ def code(text: object) -> str:
     """Inline code that survives a table cell (a backtick inside is doubled up around)."""
     s = " ".join(str(text).split()).replace("|", "\\|")
     return f"`` {s} ``" if "`" in s else f"`{s}`"
+
+
+# ------------------------------------------------------------------------------------------ in code
+# The same idea in a YAML or Python file: ``# BEGIN GENERATED: name`` / ``# END GENERATED: name`` comment
+# lines, the body indented as the BEGIN line is (a YAML block sits at its place in the tree).
+
+
+def comment_begin(name: str) -> str:
+    return f"# BEGIN GENERATED: {name} (do not edit; regenerate with `{REGENERATE}`)"
+
+
+def replace_comment_block(text: str, name: str, body: str) -> str:
+    """``text`` with the body of its ``# BEGIN GENERATED: name`` block replaced by ``body``."""
+    pattern = re.compile(
+        rf"^([ \t]*)# BEGIN GENERATED: {re.escape(name)}\b[^\n]*\n.*?^\1# END GENERATED: {re.escape(name)}[ \t]*$",
+        re.S | re.M,
+    )
+    match = pattern.search(text)
+    if match is None:
+        raise ValueError(f"no generated block {name!r} (or its END line is missing)")
+    indent = match.group(1)
+    lines = [f"{indent}{line}" if line else "" for line in body.rstrip("\n").split("\n")]
+    block = "\n".join([f"{indent}{comment_begin(name)}", *lines, f"{indent}# END GENERATED: {name}"])
+    return text[: match.start()] + block + text[match.end() :]
