@@ -341,3 +341,122 @@ def test_the_seed_batch_size_is_the_decode_batch():
     assert seed_engine_config(None, "odriver", same, {}).max_concurrent_decodes == 4
     with pytest.raises(ValueError, match="batch_size 4 and max_concurrent_decodes 8"):
         seed_engine_config(None, "vdriver", {"batch_size": 4}, {"max_concurrent_decodes": 8})
+
+
+# ---------------------------------------------------------------------------------------- the CRD and the operator
+# Both are generated from EngineConfig's serve fields (tools/docgen/engine_crd.py, run by tools/gen_docs.py):
+# the operator cannot import vsurge, so what it offers is checked in and compared here.
+
+
+def _gen_docs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_docs", REPO / "tools" / "gen_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _crd_engine() -> dict[str, Any]:
+    crd = yaml.safe_load(CRD.read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "engine"
+    ]
+
+
+def test_the_crd_and_the_operator_table_are_generated_from_engine_config():
+    gen_docs = _gen_docs()
+    stale = {p: (text, fresh) for p, (text, fresh) in gen_docs.fresh_code().items() if text != fresh}
+    assert not stale, "\n".join(
+        f"{gen_docs._diff(p, text, fresh)}\n{p.relative_to(REPO)} is out of date: run `python tools/gen_docs.py`"
+        for p, (text, fresh) in stale.items()
+    )
+    # and the YAML reads back as the schema the generator meant
+    engine_crd = gen_docs.engine_crd
+    assert _crd_engine() == engine_crd.engine_schema(engine_crd.options(), EngineConfig().driver)
+
+
+def test_every_serve_knob_is_reachable_from_an_inference_model():
+    from vsurge_operator import engine_options
+
+    engine_crd = _gen_docs().engine_crd
+    assert set(engine_crd.NOT_IN_CRD) <= {f.name for f in serve_fields()}, "NOT_IN_CRD names no serve knob"
+    props = _crd_engine()["properties"]
+    table = {o.key: o for o in engine_options.OPTIONS}
+    for f in serve_fields():
+        if f.name in engine_crd.NOT_IN_CRD:
+            continue
+        key = engine_crd.camel(f.name)
+        assert key in props and table[key].field == f.name and table[key].env == env_name(f), f.name
+
+
+def test_a_new_knob_is_reported_until_regenerated():
+    """A knob added to EngineConfig and not regenerated: the check names both files and shows the new key,
+    its variable and its driver rule."""
+    from vsurge.engine_config import DriverOnly, at_least, knob
+    from vsurge.env_options import parse_int
+
+    @dataclasses.dataclass(frozen=True)
+    class WithKnob(EngineConfig):
+        prefill_budget: int = knob(
+            8,
+            "a knob nobody generated",
+            check=at_least(2),
+            serve=True,
+            text=parse_int,
+            only=DriverOnly((8,), "budget"),
+        )
+
+    gen_docs = _gen_docs()
+    fields = [f for f in dataclasses.fields(WithKnob) if f.metadata.get("serve")]
+    stale = gen_docs.stale(fields=fields)
+    crd, table = CRD, REPO / "operator" / "vsurge_operator" / "engine_options.py"
+    assert set(stale) >= {crd, table}, sorted(map(str, stale))
+    assert "+                    prefillBudget:" in stale[crd]
+    assert "+                      minimum: 2" in stale[crd]
+    assert "message: prefillBudget applies to driver vdriver's budget" in stale[crd]
+    assert (
+        '+        key="prefillBudget",' in stale[table]
+        and '+        env="VSURGE_PREFILL_BUDGET",' in stale[table]
+    )
+    assert not gen_docs.stale(fields=serve_fields()).keys() & {crd, table}  # the real fields: current
+
+
+def _sample(o: Any) -> Any:
+    """A valid value of spec.engine option ``o`` other than its idle one."""
+    if o.choices:
+        return o.choices[-1]
+    low = 1 if o.minimum is None else o.minimum
+    return {
+        "integer": low + 1 if o.maximum is None or low + 1 <= o.maximum else low,
+        "number": 0.5,
+        "integers": [low, 2 * low],
+        "string": "tp=1",
+    }[o.kind]
+
+
+def test_every_option_reaches_vsurge_serve_as_set():
+    """Each variable option of spec.engine, set alone: the CRD and the operator accept it, the pod's variable
+    parses in `vsurge serve` to the value the spec gave."""
+    import jsonschema
+
+    from vsurge_operator import crd, engine_options, manifests, spec, validation
+
+    validator = jsonschema.Draft4Validator(crd.openapi_schema(crd.load_crd()))
+    for o in engine_options.OPTIONS:
+        if o.env is None:
+            continue  # passed as a flag (the LoRA bank): adapters.args
+        value = _sample(o)
+        body = {
+            "apiVersion": "vsurge.io/v1alpha1",
+            "kind": "InferenceModel",
+            "metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1},
+            "spec": {"model": {"source": "default"}, "image": "img:1", "engine": {o.key: value}},
+        }
+        validator.validate(body)
+        assert validation.validate(body) == [], o.key
+        pod_env = {k: v for k, v in manifests.engine_env(spec.parse(body))}
+        assert o.env in pod_env, o.key
+        cfg = parse_serve_config([], pod_env)
+        got = getattr(cfg.engine, o.field) if hasattr(cfg.engine, o.field) else getattr(cfg, o.field)
+        assert got == (tuple(value) if isinstance(value, list) else value), o.key
