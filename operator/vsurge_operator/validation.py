@@ -24,7 +24,7 @@ SOURCE_PATTERN = (
 )
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 TOPOLOGY_PATTERN = r"^[1-9][0-9]*x[1-9][0-9]*(x[1-9][0-9]*)?$"
-MESH_AXES = ("dp", "fsdp", "tp", "sp", "ep")
+MESH_AXES = ("dp", "tp")  # the engine's mesh axes (vsurge.models.sharding.AXES; a test compares them)
 _AXIS = "|".join(MESH_AXES)
 MESH_PATTERN = rf"^({_AXIS})=[1-9][0-9]*(,({_AXIS})=[1-9][0-9]*)*$"
 TRACING_ENDPOINT_PATTERN = r"^(https?|grpc)://[^\s]+$"

@@ -460,3 +460,20 @@ def test_every_option_reaches_vsurge_serve_as_set():
         cfg = parse_serve_config([], pod_env)
         got = getattr(cfg.engine, o.field) if hasattr(cfg.engine, o.field) else getattr(cfg, o.field)
         assert got == (tuple(value) if isinstance(value, list) else value), o.key
+
+
+def test_the_crd_mesh_takes_exactly_the_engines_axes():
+    """A mesh the CRD admits must be one `vsurge serve --mesh` parses, or the pod fails at start."""
+    from vsurge.models import sharding
+    from vsurge_operator import validation
+
+    assert set(validation.MESH_AXES) == set(sharding.AXES)
+    mesh = _crd_engine()["properties"]["mesh"]
+    for spec in ("tp=8", "dp=2,tp=4", "fsdp=2", "tp=2,sp=2"):
+        admitted = re.fullmatch(mesh["pattern"], spec) is not None
+        try:
+            sharding.parse_mesh_spec(spec)
+            parsed = True
+        except ValueError:
+            parsed = False
+        assert admitted == parsed, spec
