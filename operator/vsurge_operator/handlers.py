@@ -77,6 +77,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         settings.networking.error_backoffs = (0.5, 1, 2, 4, 8)
         # Several replicas, one active (kopf peering, when the chart's KopfPeering object exists).
         settings.peering.lifetime = config.peering_lifetime_seconds
+        # A deletion that lands while the resync timer runs waits for the timer to exit before the finalizer
+        # goes; kopf rechecks an exiting timer every 60 s by default, which held a deleted model that long.
+        settings.background.cancellation_polling = 1.0
         if config.metrics_port:
             metrics.serve(config.metrics_port)
 
