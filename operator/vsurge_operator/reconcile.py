@@ -121,6 +121,11 @@ class Reconciler:
         was = next((c for c in previous.get("conditions") or [] if c.get("type") == status.DEGRADED), {})
         if degraded and (was.get("reason"), was.get("message")) != (status.MODEL_SOURCE_ERROR, degraded):
             self.events(body, "Warning", status.MODEL_SOURCE_ERROR, degraded)
+        # the pod watch records a group failure with its Event; when this pass sees the pod first, the watch
+        # finds it recorded and stays silent, so the Event is posted here
+        failure = (new.get("lastGroupFailure") or {}).get("message")
+        if failure and failure != (previous.get("lastGroupFailure") or {}).get("message"):
+            self.events(body, "Warning", lane.GROUP_FAILED, failure)
         return outcome
 
     def _pods(self, model: specmod.ModelSpec) -> list[dict[str, Any]] | None:
