@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl-tpu/' .git/info/exclude 2>/dev/null || echo /.whl-tpu/ >> .git/info/exclude
 mkdir -p .whl-tpu
-pins=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null | grep -iE '^(gguf|llguidance|starlette|uvicorn|pydantic|pydantic_core|annotated_types|typing_inspection|prometheus_client|opentelemetry_api|opentelemetry_sdk|opentelemetry_semantic_conventions|httpx|httpcore|h11|anyio|idna|certifi)==' | sed 's/-/_/g')
+pins=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null | sed 's/-/_/g' | grep -iE '^(gguf|llguidance|starlette|uvicorn|pydantic|pydantic_core|annotated_types|typing_inspection|prometheus_client|opentelemetry_api|opentelemetry_sdk|opentelemetry_semantic_conventions|httpx|httpcore|h11|anyio|idna|certifi)==')
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 -d .whl-tpu $pins

@@ -4,9 +4,10 @@ not the run. xdist 3.8's own file scheduler hangs there until CI's time limit.""
 import subprocess
 import sys
 import textwrap
+from collections import OrderedDict
 from pathlib import Path
 
-from xdist_files import left_after_crash, scope_of
+from xdist_files import FileScheduling, left_after_crash, scope_of
 
 
 def test_a_crash_requeues_only_the_tests_not_yet_run():
@@ -31,6 +32,32 @@ def test_a_crash_requeues_only_the_tests_not_yet_run():
 def test_the_cluster_suite_is_one_unit():
     assert scope_of("tests/cluster/test_x.py::t") == scope_of("tests/cluster/test_y.py::u") == "tests/cluster"
     assert scope_of("tests/service/test_x.py::t[1]") == "tests/service/test_x.py"
+
+
+class _ClosedWorker:
+    """A worker whose channel closed: it died after its last result reached the controller."""
+
+    shutting_down = False
+
+    def send_runtest_some(self, indices):
+        raise OSError("cannot send (already closed?)")
+
+    def shutdown(self):
+        raise OSError("cannot send (already closed?)")
+
+
+def test_work_for_a_worker_that_just_died_goes_back_when_it_is_reported_down():
+    # the race the real-session test below hits one run in five on a loaded machine: a result arrives,
+    # the scheduler tops the worker up, and the send meets a closed channel
+    sched = FileScheduling.__new__(FileScheduling)
+    node = _ClosedWorker()
+    sched.assigned_work = {node: {"t/b.py": {"t/b.py::ok": True, "t/b.py::dies": False}}}
+    sched.registered_collections = {node: ["t/b.py::ok", "t/b.py::dies", "t/c.py::x"]}
+    sched.workqueue = OrderedDict({"t/c.py": {"t/c.py::x": False}})
+    sched._reschedule(node)  # must not raise: that ended the whole session with INTERNALERROR
+    assert sched.assigned_work[node]["t/c.py"] == {"t/c.py::x": False}
+    assert sched.remove_node(node) == "t/b.py::dies"
+    assert dict(sched.workqueue) == {"t/c.py": {"t/c.py::x": False}}
 
 
 def test_a_worker_that_dies_fails_its_test_and_the_rest_still_run(tmp_path: Path):

@@ -46,10 +46,16 @@ class FileScheduling(LoadFileScheduling):
         # Top up to more than two pending tests at once, and say "no more" as soon as the queue is empty.
         if node.shutting_down:
             return
-        while self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
-            self._assign_work_unit(node)
-        if not self.workqueue:
-            node.shutdown()
+        try:
+            while self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
+                self._assign_work_unit(node)
+            if not self.workqueue:
+                node.shutdown()
+        except OSError:
+            # The worker died while its last result was on the way: its channel is closed. The unit just
+            # handed to it is already booked to it, and xdist reports the worker down next, when
+            # remove_node requeues what it had not run. Raising here would end the whole session.
+            pass
 
     def remove_node(self, node: Any) -> str | None:
         crashed, left = left_after_crash(self.assigned_work.pop(node))
