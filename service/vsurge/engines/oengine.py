@@ -45,7 +45,7 @@ from .host_arrays import put_host
 from .kernel_fallback import compile_with_fallback
 from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
 from .paged_programs import program_jobs, step_metas
-from .paged_seat import seat
+from .paged_seat import first_of_chunk, place, seat
 from .paging import HBMPageManager, PagedAttentionCache
 from .sampling import DEFAULT_MAX_STOP_IDS, SampleResult, SlotSampling, make_slot_sampling
 from .seed_layer import seed_forms
@@ -135,7 +135,7 @@ def _forward_impl(
     return tuple(pages), logits
 
 
-@seed_forms  # the seed's decode beside ours, forward, free_resource (seed_paged.py)
+@seed_forms  # the seed's decode beside ours, forward, prefill / insert, free_resource (seed_paged.py)
 class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
     """Paged-cache engine: chunked prefill into pages, decode over page tables."""
 
@@ -255,6 +255,9 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
             partial(seat_chunk, seat=partial(seat, num_top=num_top_logprobs, shardings=shardings)),
             donate_argnums=(0,),
         )
+        # the seed layer's prefill / insert (seed_prefix.py): the seat's two parts apart; first call compiles
+        self._first = jax.jit(partial(first_of_chunk, num_top=num_top_logprobs, shardings=shardings))
+        self._place = jax.jit(partial(place, shardings=shardings), donate_argnums=(0,))
 
     # ------------------------------------------------------------------ sizes
     @property
