@@ -38,8 +38,7 @@ class AbstractInferenceEngine(_Structural):
 
     ``prefill`` returns a prefix and the first token (ResultTokens); ``insert`` / ``bulk_insert`` place a
     prefix into decode slots; ``decode`` advances every active slot one token; ``free_resource`` releases
-    a slot. vEngine implements all of it; oEngine prefills inside its mixed step (`forward`), see
-    docs/seed.md, differences from the seed.
+    a slot. vEngine and oEngine implement all of it (docs/seed.md).
     """
 
     _members = frozenset(

@@ -1,11 +1,13 @@
 """The seed's engine-level API as a layer over the real steps (issue 36, item 6): vEngine's seed `prefill`
 returns a prefix that `insert` places and `decode` advances every active slot one token, returning
-ResultTokens; oEngine's `forward` runs one mixed step of an ActiveSequenceBatch; both give the tokens the
-drivers give. The engines' own call forms (what the drivers call) are unchanged beside them."""
+ResultTokens; oEngine's `prefill` writes prompts into pages that `insert` / `bulk_insert` hand to slots,
+and its `forward` runs one mixed step of an ActiveSequenceBatch; both give the tokens the drivers give.
+The engines' own call forms (what the drivers call) are unchanged beside them."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import jax
 import numpy as np
@@ -21,6 +23,7 @@ from vsurge import (
     SamplingParams,
     vSurge,
 )
+from vsurge.engines.seed_prefix import PagedPrefix
 from vsurge.engines.seed_types import SeedPrefix
 
 MAX_LEN = 64
@@ -56,6 +59,23 @@ def driver_tokens(tiny_llama, prompts):
     try:
         out = asyncio.run(
             s.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS + 1, ignore_eos=True))
+        )
+    finally:
+        s.stop()
+    return [r.token_ids for r in out]
+
+
+@pytest.fixture(scope="module")
+def odriver_tokens(tiny_llama, prompts):
+    """What vSurge over oDriver (greedy, the paged engine's settings) generates: the paged reference."""
+    model, tok = tiny_llama
+    s = vSurge.create_odriver(
+        model, tok, None, None, 8, 0.6, None, 4, [16], None, MAX_LEN, kv_cache_bytes=1 << 20
+    )
+    s.start()
+    try:
+        out = asyncio.run(
+            s.generate(prompts, SamplingParams(temperature=0.0, max_tokens=STEPS + 3, ignore_eos=True))
         )
     finally:
         s.stop()
@@ -137,6 +157,149 @@ def test_paged_forward_and_decode_give_the_drivers_tokens(paged, prompts, driver
     paged.manager.check()
 
 
+def seed_prefill(engine, rows, key=None):
+    """oEngine's seed prefill, greedy, of one prompt (``rows`` a list of ids: tokens [16]) or several
+    (a list of lists: tokens [B, 16], a true_length per row)."""
+    if isinstance(rows[0], int):
+        (tokens, valids), length = padded(rows), len(rows)
+    else:
+        pairs = [padded(r) for r in rows]
+        tokens, valids = np.stack([t for t, _ in pairs]), np.stack([v for _, v in pairs])
+        length = np.array([len(r) for r in rows])
+    key = engine.prng_key if key is None else key
+    return engine.prefill(engine.graphstate, engine.graphothers, tokens, valids, length, 0.0, 1.0, 0, key)
+
+
+def test_paged_prefill_insert_decode_give_the_odrivers_tokens(paged, prompts, odriver_tokens):
+    start = paged.manager.num_free
+    batch = paged.init_sequence_batch()
+    prefix, result = seed_prefill(paged, prompts[0])
+    assert isinstance(prefix, PagedPrefix) and isinstance(result, ResultTokens)
+    one = result.convert_to_numpy().get_result_at_slot(0)
+    assert one.valid.tolist() == [[1]] and one.lengths.tolist() == [1]
+    assert paged.manager.num_free < start and prefix.holds_pages  # the prompt's pages, not yet in a slot
+    assert paged.insert(prefix, batch, 2) is batch and not prefix.holds_pages
+    got = {2: [int(one.tokens[0, 0])]}
+
+    def decode():
+        nonlocal batch
+        batch, result = paged.decode(paged.graphstate, paged.graphothers, batch, paged.prng_key)
+        host = result.convert_to_numpy()
+        for slot in got:
+            got[slot].append(int(host.get_result_at_slot(slot).tokens[0, 0]))
+        assert not host.get_result_at_slot(1).valid[0, 0]
+
+    decode()
+    decode()
+    # prefilled while slot 2 decodes (a step of chunks alone): slot 2 goes on as if nothing ran
+    prefix, result = seed_prefill(paged, prompts[1])
+    assert paged.insert(prefix, batch, 0) is batch
+    got[0] = [int(result.convert_to_numpy().get_result_at_slot(0).tokens[0, 0])]
+    for _ in range(STEPS):
+        decode()
+    assert got[2] == odriver_tokens[0]  # 1 + 2 + STEPS tokens
+    assert got[0] == odriver_tokens[1][: STEPS + 1]
+    assert paged.free_resource(2) and paged.free_resource(0) and not paged.free_resource(0)
+    assert paged.manager.num_free == start
+    paged.manager.check()
+
+
+def test_paged_bulk_insert_of_a_batched_prefill_decodes_both(tiny_llama, prompts, odriver_tokens):
+    """Two prompts prefilled in one call, in chunks (5 tokens a step: 8 + 8 tokens take 4 steps, one of
+    them ending the first prompt and starting the second), bulk-inserted into two slots, decoded together."""
+    model, tok = tiny_llama
+    engine = vsurge.oEngine(
+        model,
+        tok,
+        None,
+        None,
+        4,
+        None,
+        [16],
+        None,
+        MAX_LEN,
+        page_size=8,
+        kv_cache_bytes=1 << 20,
+        max_num_batched_tokens=5,
+    )
+    assert engine.step_tokens[-1] == 5 and all(len(p) > 5 for p in prompts)
+    start = engine.manager.num_free
+    batch = engine.init_sequence_batch()
+    prefix, result = seed_prefill(engine, prompts)
+    assert len(prefix) == 2 and prefix.lengths == [len(p) for p in prompts]
+    host = result.convert_to_numpy()
+    assert host.data.shape == (2, 3) and host.data[:, 1].tolist() == [1, 1]
+    with pytest.raises(ValueError, match="bulk_insert"):
+        engine.insert(prefix, batch, 0)  # two prompts need two slots
+    with pytest.raises(ValueError, match="2 prefilled prompts for 1 slots"):
+        engine.bulk_insert(prefix, batch, [0])
+    assert engine.bulk_insert(prefix, batch, [3, 1]) is batch
+    got = {3: [int(host.data[0, 0])], 1: [int(host.data[1, 0])]}
+    for _ in range(STEPS):
+        batch, res = engine.decode(engine.graphstate, engine.graphothers, batch, engine.prng_key)
+        res = res.convert_to_numpy()
+        for slot in got:
+            got[slot].append(int(res.get_result_at_slot(slot).tokens[0, 0]))
+    assert [got[3], got[1]] == [t[: STEPS + 1] for t in odriver_tokens]
+    assert engine.free_resource(3) and engine.free_resource(1)
+    assert engine.manager.num_free == start
+    engine.manager.check()
+
+
+def test_paged_bulk_insert_takes_a_list_of_prefixes(paged, prompts, odriver_tokens):
+    start = paged.manager.num_free
+    batch = paged.init_sequence_batch()
+    prefixes = [seed_prefill(paged, ids)[0] for ids in prompts]
+    batch = paged.bulk_insert(prefixes, batch, [1, 0])
+    batch, res = paged.decode(paged.graphstate, paged.graphothers, batch, paged.prng_key)
+    res = res.convert_to_numpy()
+    assert [int(res.get_result_at_slot(s).tokens[0, 0]) for s in (1, 0)] == [t[1] for t in odriver_tokens]
+    assert batch.free(0) and batch.free(1) and paged.manager.num_free == start
+
+
+def test_a_prefix_never_inserted_returns_its_pages(paged, prompts, monkeypatch):
+    start = paged.manager.num_free
+    batch = paged.init_sequence_batch()
+    prefix, _ = seed_prefill(paged, prompts[0])
+    assert paged.manager.num_free < start
+    del prefix  # dropped: its pages go back
+    gc.collect()
+    assert paged.manager.num_free == start
+    prefix, _ = seed_prefill(paged, prompts)
+    prefix.free()  # or at once
+    assert paged.manager.num_free == start and not prefix.holds_pages
+    with pytest.raises(ValueError, match="already inserted or freed"):
+        paged.bulk_insert(prefix, batch, [0, 1])
+    paged.manager.check()
+
+
+def test_paged_insert_errors_are_clear_and_move_nothing(paged, prompts, monkeypatch):
+    start = paged.manager.num_free
+    batch = paged.init_sequence_batch()
+    batch.admit(0, prompts[0])
+    prefix, _ = seed_prefill(paged, prompts[1])
+    with pytest.raises(ValueError, match="in use"):
+        paged.insert(prefix, batch, 0)
+    with pytest.raises(TypeError, match="ActiveSequenceBatch"):
+        paged.insert(prefix, batch.state, 1)
+    with pytest.raises(ValueError, match="another ActiveSequenceBatch"):
+        paged.insert(prefix, paged.init_sequence_batch(), 1)
+    assert prefix.holds_pages  # nothing moved
+    paged.insert(prefix, batch, 1)
+    with pytest.raises(ValueError, match="already inserted"):
+        paged.insert(prefix, batch, 2)
+    with pytest.raises(ValueError, match="true_length"):
+        tokens, valids = padded(prompts[0])
+        paged.prefill(paged.graphstate, None, tokens, valids, 3, 0.0, 1.0, 0, paged.prng_key)
+    monkeypatch.setattr(paged, "_seed_batch", None)
+    with pytest.raises(RuntimeError, match="init_sequence_batch"):
+        seed_prefill(paged, prompts[0])
+    batch.free(0)
+    batch.free(1)
+    assert paged.manager.num_free == start
+    paged.manager.check()
+
+
 def test_paged_admission_errors_are_clear(paged, prompts):
     batch = paged.init_sequence_batch()
     batch.admit(0, prompts[0])
@@ -193,8 +356,7 @@ def test_result_tokens_on_device_and_host(dense):
 def test_drivers_and_engines_are_the_seeds_protocols():
     assert issubclass(vsurge.vDriver, AbstractDriver) and issubclass(vsurge.oDriver, AbstractDriver)
     assert issubclass(vsurge.vEngine, AbstractInferenceEngine)
-    # oEngine prefills inside its mixed step: no seed prefill/insert (docs/seed.md: differences from the seed)
-    assert not issubclass(vsurge.oEngine, AbstractInferenceEngine)
+    assert issubclass(vsurge.oEngine, AbstractInferenceEngine)  # its prefill / insert / bulk_insert too
     assert not issubclass(vsurge.vSurge, AbstractDriver)
 
     class Half(AbstractDriver):

@@ -40,20 +40,14 @@ from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
 from ..models.pallas_sharded import configure as configure_attention
 from ..sampling_params import SamplingParams
 from ..seed_args import ENGINE_ARGS, default, seed_engine_config
-from .engine_base import EngineBase, _doubling, compile_jobs, constrain, decode_buckets, sampling_context
+from .engine_base import EngineBase, _doubling, compile_jobs, decode_buckets
 from .host_arrays import put_host
 from .kernel_fallback import compile_with_fallback
 from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
 from .paged_programs import program_jobs, step_metas
+from .paged_seat import first_of_chunk, place, seat
 from .paging import HBMPageManager, PagedAttentionCache
-from .sampling import (
-    DEFAULT_MAX_STOP_IDS,
-    SampleResult,
-    SlotSampling,
-    make_slot_sampling,
-    sample,
-    set_slot,
-)
+from .sampling import DEFAULT_MAX_STOP_IDS, SampleResult, SlotSampling, make_slot_sampling
 from .seed_layer import seed_forms
 from .seed_paged import PagedSeedLayer
 
@@ -117,28 +111,6 @@ def _prefill_impl(graphdef, params, pages, tokens, start, length, row, *, page_s
     return tuple(pages), model.compute_logits(last)
 
 
-def _seat_impl(state: PagedState, logits, slot, length, inputs: SeqInputs, *, num_top: int, shardings):
-    """Sample the token after a chunk and seat the sequence in its slot (one shape for every chunk)."""
-    with sampling_context(shardings):
-        first = sample(
-            logits[None],
-            inputs.sampling,
-            inputs.counts[None],
-            inputs.prompt_mask[None],
-            inputs.step[None],
-            num_top,
-        )
-    new = state._replace(
-        tokens=state.tokens.at[slot].set(first.tokens[0]),
-        positions=state.positions.at[slot].set(length),
-        steps=state.steps.at[slot].set(inputs.step + 1),
-        counts=state.counts.at[slot].set(inputs.counts.at[first.tokens[0]].add(1)),
-        prompt_mask=state.prompt_mask.at[slot].set(inputs.prompt_mask),
-        sampling=set_slot(state.sampling, slot, inputs.sampling),
-    )
-    return constrain(new, shardings), first
-
-
 def _forward_impl(
     graphdef,
     params,
@@ -163,7 +135,7 @@ def _forward_impl(
     return tuple(pages), logits
 
 
-@seed_forms  # the seed's decode beside ours, forward, free_resource (seed_paged.py)
+@seed_forms  # the seed's decode beside ours, forward, prefill / insert, free_resource (seed_paged.py)
 class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
     """Paged-cache engine: chunked prefill into pages, decode over page tables."""
 
@@ -251,7 +223,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
             for n in self.page_buckets
         }
         self._seat = jax.jit(
-            partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings), donate_argnums=(0,)
+            partial(seat, num_top=num_top_logprobs, shardings=shardings), donate_argnums=(0,)
         )
         logits_sharding = self.logits_sharding
         self._forward = {
@@ -280,9 +252,12 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
             for p in self.step_tokens
         }
         self._seat_chunk = jax.jit(
-            partial(seat_chunk, seat=partial(_seat_impl, num_top=num_top_logprobs, shardings=shardings)),
+            partial(seat_chunk, seat=partial(seat, num_top=num_top_logprobs, shardings=shardings)),
             donate_argnums=(0,),
         )
+        # the seed layer's prefill / insert (seed_prefix.py): the seat's two parts apart; first call compiles
+        self._first = jax.jit(partial(first_of_chunk, num_top=num_top_logprobs, shardings=shardings))
+        self._place = jax.jit(partial(place, shardings=shardings), donate_argnums=(0,))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -419,6 +394,27 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         decodes) and, per final chunk (by index in ``chunks``), the first token sampled after it; that
         sequence is seated in its slot and decodes from the next step on.
         """
+        state, out, pf_logits = self.run_mixed(state, table, active, chunks)
+        firsts = []
+        for k, c in enumerate(chunks):
+            if c.final:
+                end = np.int32(c.start + len(c.tokens))
+                state, first = self._seat_chunk(
+                    state, pf_logits, np.int32(k), np.int32(c.slot), end, c.inputs
+                )
+                firsts.append((k, first))
+        return state, out, firsts
+
+    def run_mixed(
+        self,
+        state: PagedState,
+        table: jax.Array | np.ndarray,
+        active: np.ndarray,
+        chunks: Sequence[ChunkWork] = (),
+    ) -> tuple[PagedState, SampleResult | None, jax.Array | None]:
+        """`step` without seating: the forward and the decode rows' sampler. Returns the state, the decode
+        rows' result (None if none decodes) and the logits at each chunk's last token ([step_seqs, V];
+        None without chunks)."""
         num_rows = int(np.flatnonzero(active)[-1]) + 1 if np.any(active) else 0
         rows, tokens = self.step_shape(num_rows, sum(len(c.tokens) for c in chunks))
         mask = np.zeros(rows, np.int32)
@@ -431,15 +427,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         state, out = state._replace(pages=pages), None
         if num_rows:
             state, out = self._sample[rows](state, dec_logits)
-        firsts = []
-        for k, c in enumerate(chunks):
-            if c.final:
-                end = np.int32(c.start + len(c.tokens))
-                state, first = self._seat_chunk(
-                    state, pf_logits, np.int32(k), np.int32(c.slot), end, c.inputs
-                )
-                firsts.append((k, first))
-        return state, out, firsts
+        return state, out, pf_logits
 
     # ------------------------------------------------------------------ warm-up
     def compile(self, progress: Callable[[str], None] | None = None) -> float:

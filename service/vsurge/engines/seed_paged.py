@@ -8,10 +8,10 @@ each slot, its page table (pages from the engine's HBMPageManager) and how far i
 prompt in a slot; `plan` says what the next step runs (every decoding slot, and prompt chunks within the
 engine's token budget); a slot's first token comes from the step that runs its prompt's final chunk.
 
-The seed's oEngine also had `prefill` / `insert` / `bulk_insert`; here a prompt is prefilled into the
-state's own pages and seated in its slot by the same step, so there is no prefix between the two (see
-docs/seed.md, differences from the seed). Sampling keys are per sequence (``admit``'s key), so ``rngs`` of
-`decode` is not used.
+The seed's other way in: `prefill` writes prompts into pages of the latest batch (`init_sequence_batch`)
+with the same mixed step, not yet in any slot, and returns a prefix holding those pages and the first
+tokens; `insert` / `bulk_insert` hand its pages to slots (`seat`), no KV moves (seed_prefix.py). Sampling
+keys are per sequence (``admit``'s key, prefill's ``rngs``), so ``rngs`` of `decode` is not used.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 from ..sampling_params import SamplingParams
 from .mixed_step import ChunkWork
 from .seed_layer import SeedEngineLayer, host_key
+from .seed_prefix import PagedPrefix, insert_prefixes, prefill_prefix
 from .seed_types import ModelOutputBatch, NextIterationPlan, ResultTokens
 
 __all__ = ["ActiveSequenceBatch", "PagedSeedLayer"]
@@ -65,10 +66,7 @@ class ActiveSequenceBatch:
         ``params``: how its tokens are sampled (default greedy); ``key``: its PRNG key (default the
         engine's next `prng_key`)."""
         eng = self.engine
-        if not 0 <= slot < len(self.slots):
-            raise ValueError(f"slot {slot} is not in 0..{len(self.slots) - 1}")
-        if self.slots[slot] is not None:
-            raise ValueError(f"slot {slot} is in use: free_resource({slot}) first")
+        self.check_free(slot)
         ids = np.asarray(prompt_ids, np.int32).reshape(-1)
         if not 1 <= len(ids) <= eng.max_prompt_length:
             raise ValueError(f"a prompt of {len(ids)} tokens; this engine takes 1..{eng.max_prompt_length}")
@@ -80,6 +78,20 @@ class ActiveSequenceBatch:
             raise RuntimeError(f"no KV pages left for a prompt of {len(ids)} tokens")
         inputs = eng.seq_inputs(params, eng.eos_token_ids, key, ids.tolist())
         self.slots[slot] = _Slot(seq_id, ids, inputs)
+
+    def check_free(self, slot: int) -> None:
+        """Raise ValueError unless ``slot`` is one of the batch's and holds nothing."""
+        if not 0 <= slot < len(self.slots):
+            raise ValueError(f"slot {slot} is not in 0..{len(self.slots) - 1}")
+        if self.slots[slot] is not None:
+            raise ValueError(f"slot {slot} is in use: free_resource({slot}) first")
+
+    def seat(self, slot: int, seq_id: tuple, prompt: np.ndarray, inputs: Any) -> None:
+        """Put a prefilled sequence (the seed's `insert`: its pages hold the prompt's KV, its first token
+        was sampled) in the free ``slot`` on the host; it decodes from the next step on."""
+        self.check_free(slot)
+        self.slots[slot] = _Slot(seq_id, prompt, inputs, written=len(prompt), decoding=True, generated=1)
+        self.table[slot] = self.row(seq_id)
 
     def free(self, slot: int) -> bool:
         """Release ``slot`` and its pages; False if it held nothing."""
@@ -113,7 +125,7 @@ class ActiveSequenceBatch:
                 continue
             n = min(len(s.prompt) - s.written, budget)
             final = s.written + n == len(s.prompt)
-            row = self._row(s)
+            row = self.row(s.seq_id)
             chunks.append(
                 ChunkWork(
                     s.prompt[s.written : s.written + n], s.written, row, slot, s.inputs if final else None
@@ -122,9 +134,10 @@ class ActiveSequenceBatch:
             budget -= n
         return NextIterationPlan(decode, tuple(chunks))
 
-    def _row(self, s: _Slot) -> np.ndarray:
+    def row(self, seq_id: tuple) -> np.ndarray:
+        """The page table of the sequence ``seq_id`` (the page manager's), padded with the scratch page."""
         row = np.zeros(self.engine.table_width, np.int32)
-        pages = self.engine.manager.table(s.seq_id)
+        pages = self.engine.manager.table(seq_id)
         row[: len(pages)] = pages
         return row
 
@@ -135,7 +148,7 @@ class ActiveSequenceBatch:
             raise RuntimeError(f"slot {slot} reached max_length {self.engine.max_length}: free it")
         if not self.engine.manager.grow(s.seq_id, position + 1):
             raise RuntimeError(f"no KV page left for slot {slot}'s next token: free a slot")
-        self.table[slot] = self._row(s)
+        self.table[slot] = self.row(s.seq_id)
 
     # ------------------------------------------------------------------ after a step
     def stepped(self, plan: NextIterationPlan, out: Any, firsts: list[tuple[int, Any]]) -> ModelOutputBatch:
@@ -154,7 +167,7 @@ class ActiveSequenceBatch:
             s = self.slots[slot]
             tokens[slot], valid[slot] = int(np.asarray(first.tokens)[0]), True
             s.decoding, s.generated = True, 1
-            self.table[slot] = self._row(s)
+            self.table[slot] = self.row(s.seq_id)
         lengths = np.array([0 if s is None else s.generated for s in self.slots], np.int32)
         result = ResultTokens.from_columns(tokens, valid.astype(np.int32), lengths)
         return ModelOutputBatch(tokens, valid, result)
@@ -201,6 +214,54 @@ class PagedSeedLayer(SeedEngineLayer):
         host_key(rngs)  # checked, not used (see the module docstring)
         out = self.forward(graphstate, graphothers, state, state.plan(prefill=False))
         return state, out.result
+
+    def prefill(
+        self,
+        graphstate: Any,
+        graphothers: Any,
+        tokens: jax.Array,
+        valids: jax.Array,
+        true_length: int,
+        temperature: jax.Array,
+        top_p: jax.Array,
+        top_k: jax.Array,
+        rngs: jax.Array,
+    ) -> tuple[PagedPrefix, ResultTokens]:
+        """Prefill one prompt (``tokens`` [L]) or a batch ([B, L]) into pages of the latest
+        `init_sequence_batch` with the mixed step, and sample each first token with ``rngs``: (a
+        PagedPrefix for `insert` / `bulk_insert`, the first tokens as ResultTokens, one row per prompt).
+        See seed_prefix.py; the prefix's pages return when it is dropped uninserted, or with
+        ``prefix.free()``."""
+        self._check_weights(graphstate, graphothers)
+        if self._seed_batch is None:
+            raise RuntimeError(
+                "oEngine.prefill writes prompts into the pages of the engine's ActiveSequenceBatch: "
+                "call init_sequence_batch() first"
+            )
+        args = (tokens, valids, true_length, temperature, top_p, top_k, rngs)
+        return prefill_prefix(self, self._seed_batch, *args)
+
+    def insert(
+        self, prefix: PagedPrefix, decode_state: ActiveSequenceBatch, slot: int
+    ) -> ActiveSequenceBatch:
+        """Put a one-prompt prefix in the free ``slot`` of ``decode_state`` (the batch it was prefilled
+        into): its pages become the slot's, no KV moves; the slot decodes from the prefill's first token.
+        Returns the batch (updated in place)."""
+        if isinstance(prefix, PagedPrefix) and len(prefix) != 1:
+            raise ValueError(f"a prefix of {len(prefix)} prompts: bulk_insert(prefix, state, slots)")
+        return self.bulk_insert(prefix, decode_state, [slot])
+
+    def bulk_insert(
+        self, prefix: PagedPrefix | list[PagedPrefix], decode_state: ActiveSequenceBatch, slots: list[int]
+    ) -> ActiveSequenceBatch:
+        """Put prompt i of ``prefix`` (a batched prefill's, or a list of prefixes in order) in ``slots[i]``
+        of ``decode_state``, as `insert` does for one. Returns the batch."""
+        if not isinstance(decode_state, ActiveSequenceBatch):
+            raise TypeError(
+                "oEngine's decode state for insert is the ActiveSequenceBatch the prefix was prefilled "
+                f"into (init_sequence_batch()), got {type(decode_state).__name__}"
+            )
+        return insert_prefixes(self, prefix, decode_state, slots)
 
     def free_resource(self, slot: int) -> bool:
         """Release ``slot`` of the latest `init_sequence_batch` and its pages; False if it held nothing.
