@@ -30,6 +30,11 @@ class DriverMetrics:
     # speculative decoding (None when it is off): draft tokens verified, and those accepted
     spec_decode_draft_tokens_total: int | None = None
     spec_decode_accepted_tokens_total: int | None = None
+    # LoRA (None / empty without an adapter bank): the bank's slots, and the adapters of requests holding
+    # a slot and of those waiting for one (the GIE gauge vllm:lora_requests_info)
+    max_loras: int | None = None
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)
 
 
 @dataclass
