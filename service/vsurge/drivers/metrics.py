@@ -49,6 +49,7 @@ class RequestStats:
     tpot: float | None
     e2e_latency: float
     queue_time: float | None
+    adapter: str | None = None  # the LoRA adapter the request ran with (None: the base model)
 
 
 class MetricsRecorder:
@@ -96,6 +97,7 @@ class MetricsRecorder:
                 tpot=(now - s.first_token_at) / (n - 1) if s.first_token_at and n > 1 else None,
                 e2e_latency=now - md.queued_at,
                 queue_time=(md.prefill_started_at - md.queued_at) if md.prefill_started_at else None,
+                adapter=req.adapter,
             )
             for fn in list(self.observers):
                 try:
