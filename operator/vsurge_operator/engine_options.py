@@ -181,16 +181,9 @@ OPTIONS: tuple[EngineOption, ...] = (
         choices=("none", "int8"),
     ),
     EngineOption(
-        key="dtype",
-        field="dtype",
-        env="VSURGE_DTYPE",
-        kind="string",
-        choices=("float32", "bfloat16", "float16"),
-    ),
-    EngineOption(
         key="maxLoras",
         field="max_loras",
-        env=None,
+        env="VSURGE_MAX_LORAS",
         kind="integer",
         minimum=1,
         maximum=1024,
@@ -198,10 +191,17 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption(
         key="maxLoraRank",
         field="max_lora_rank",
-        env=None,
+        env="VSURGE_MAX_LORA_RANK",
         kind="integer",
         minimum=1,
         maximum=1024,
+    ),
+    EngineOption(
+        key="dtype",
+        field="dtype",
+        env="VSURGE_DTYPE",
+        kind="string",
+        choices=("float32", "bfloat16", "float16"),
     ),
 )
 # END GENERATED: engine-options

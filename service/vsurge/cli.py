@@ -57,6 +57,7 @@ def build_api(cfg: ServeConfig) -> Any:
         max_body_bytes=cfg.max_body_bytes,
         drain_timeout_s=cfg.drain_timeout,
         tool_call_parser=cfg.tool_call_parser,
+        lora_runtime_updates=cfg.enable_lora_runtime_updates,
     )
 
 
@@ -96,6 +97,13 @@ def run_serve(cfg: ServeConfig) -> int:
             surge = leader.surge(cfg, model, processor, mesh, api)
         else:
             surge = build_surge(cfg, model, processor, mesh)
+        for name, source in cfg.loras:  # read and checked now: a bad adapter fails the start, with why
+            say(f"loading LoRA adapter {name} from {source}")
+            if surge.lora is None:
+                raise RuntimeError(
+                    "--lora: this engine has no adapter bank (multi-host serving has none yet)"
+                )
+            surge.lora.add(name, source)
         api.add_model(cfg.model_name, surge, load_seconds=load_s, root=str(cfg.model))
         from vsurge.models.sources import load_phases
 

@@ -400,6 +400,18 @@ class EngineConfig:
         QUANTIZATIONS,
     )
     detokenizing_blocks: int = knob(8, "decode steps that may run ahead of detokenization", check=at_least(1))
+    # the LoRA adapter bank (models/lora.py): vsurge serve sets enable_lora with --lora or runtime updates
+    enable_lora: bool = knob(False, "build the LoRA adapter bank (off: no bank, the programs of before)")
+    max_loras: int = knob(
+        8,
+        "LoRA adapters on the device at once (the bank's slots); others load on demand, LRU evicted",
+        check=at_least(1), serve=True, text=parse_int, metavar="N", limits=(1, 1024),
+    )  # fmt: skip
+    max_lora_rank: int = knob(
+        64,
+        "highest LoRA adapter rank the bank holds (a higher rank is refused)",
+        check=at_least(1), serve=True, text=parse_int, metavar="R", limits=(1, 1024),
+    )  # fmt: skip
     # Removed knobs, still accepted by name for one release only to say why they are gone (REMOVED_KNOBS):
     # not fields, so nothing lists, serves or renders them.
     max_decode_stall: InitVar[Any] = None
@@ -424,6 +436,10 @@ class EngineConfig:
             if value is not None and value not in only.idle and self.driver != only.driver:
                 text = only.message.format(value=value, what=only.what, only=only.driver, driver=self.driver)
                 raise ValueError(f"{f.name}: {text}")
+        if self.enable_lora and self.driver == "vdriver" and self.max_num_batched_tokens is not None:
+            raise ValueError(
+                "enable_lora: vdriver's in-place prefill (max_num_batched_tokens) has no LoRA yet"
+            )
         mpl, ml = self.max_prefill_length, self.max_length
         if mpl is not None and ml is not None and mpl > ml:
             raise ValueError(f"max_prefill_length {mpl} exceeds max_length {ml}")

@@ -88,6 +88,7 @@ class vSurgeRequest:  # noqa: N801 - the seed's name
         sampling: SamplingParams | None = None,
         detokenize: bool | None = None,
         strict_max_tokens: bool = False,
+        adapter: str | None = None,
         **sampling_kw: Any,
     ) -> None:
         unknown = set(sampling_kw) - _SAMPLING_FIELDS
@@ -117,6 +118,7 @@ class vSurgeRequest:  # noqa: N801 - the seed's name
         self.detokenize = detokenize  # None: detokenize unless is_client_side_tokenization
         # True: prompt + max_tokens beyond the context is an error (PromptTooLongError), not a silent cut
         self.strict_max_tokens = strict_max_tokens
+        self.adapter = adapter  # the LoRA adapter to apply (its served name); None: the base model
 
     def __getattr__(self, name: str) -> Any:
         # only reached for names not set on the instance: the sampling fields read through

@@ -252,6 +252,9 @@ class ServeConfig:
     join_timeout: float = 300.0
     start_timeout: float = 1800.0
     tool_call_parser: str | None = None
+    # LoRA adapters served from the start (--lora NAME=SOURCE, repeatable), and the run-time routes
+    loras: tuple[tuple[str, str], ...] = ()
+    enable_lora_runtime_updates: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -289,8 +292,33 @@ def _shown_default(opt: Option) -> Any:
     return opt.default if opt.shown is None else opt.shown
 
 
+LORA_RUNTIME_ENV = "VSURGE_ENABLE_LORA_RUNTIME_UPDATES"
+
+
+def parse_lora(text: str) -> tuple[str, str]:
+    """``NAME=SOURCE`` (a PEFT adapter directory in any model source) -> (name, source)."""
+    name, eq, source = text.partition("=")
+    if not eq or not name.strip() or not source.strip():
+        raise ValueError(f"--lora takes NAME=SOURCE (a PEFT adapter directory), got {text!r}")
+    return name.strip(), source.strip()
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_env_arguments(parser, SERVE_OPTIONS, _shown_default)
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=SOURCE",
+        help="serve the PEFT LoRA adapter at SOURCE (a path, hf://, gs://, s3:// or pvc://) as model NAME; "
+        "repeatable (the InferenceModel's spec.adapters)",
+    )
+    parser.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with an API key, only to "
+        f"requests that carry it) [env {LORA_RUNTIME_ENV}=1]",
+    )
     parser.add_argument(
         "--print-config",
         action="store_true",
@@ -304,10 +332,21 @@ def config_from_namespace(ns: argparse.Namespace, env: Mapping[str, str]) -> Ser
     values = flag_or_env_values(ns, env, SERVE_OPTIONS, _default, ConfigError)
     knobs = {name: values.pop(name) for name in ENGINE_FIELDS}
     try:
-        engine = EngineConfig(**knobs)
+        loras = tuple(parse_lora(t) for t in getattr(ns, "lora", None) or ())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    names = [n for n, _ in loras]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--lora names must be unique, got {', '.join(names)}")
+    runtime = bool(getattr(ns, "enable_lora_runtime_updates", False))
+    runtime = runtime or env.get(LORA_RUNTIME_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    try:  # the adapter bank exists only when adapters can be served (EngineConfig.enable_lora)
+        engine = EngineConfig(**knobs, enable_lora=bool(loras) or runtime)
     except ValueError as e:  # each value was checked as it was parsed; this is a combination of them
         raise ConfigError(str(e)) from None
-    cfg = ServeConfig(**values, engine=engine)
+    cfg = ServeConfig(**values, loras=loras, enable_lora_runtime_updates=runtime, engine=engine)
+    if cfg.model_name in names:
+        raise ConfigError(f"--lora {cfg.model_name}: an adapter cannot take the served model's name")
     if bool(cfg.ssl_keyfile) != bool(cfg.ssl_certfile):
         raise ConfigError(
             "TLS needs both --ssl-keyfile and --ssl-certfile (VSURGE_SSL_KEYFILE / VSURGE_SSL_CERTFILE)"

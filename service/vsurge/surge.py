@@ -239,6 +239,11 @@ class vSurge:  # noqa: N801 - the seed's name
     def metrics(self) -> DriverMetrics:
         return self._driver.metrics()
 
+    @property
+    def lora(self) -> Any:
+        """The driver's LoRA adapters (drivers/lora_adapters.py), or None without an adapter bank."""
+        return getattr(self._driver, "lora", None)
+
     def add_observer(self, fn: Callable[[RequestStats], None]) -> None:
         self._driver.add_observer(fn)
 
@@ -310,7 +315,8 @@ class vSurge:  # noqa: N801 - the seed's name
             eos_token_ids=self.eos_token_ids,
             metadata=md,
             channel=ReturnChannel(loop),
-            model=self._name,
+            model=request.adapter or self._name,  # figures per adapter: its requests carry its name
+            adapter=request.adapter,
         )
 
     async def complete(self, request: vSurgeRequest) -> AsyncIterator[list[ReturnSample]]:

@@ -103,8 +103,9 @@ def option(f: dataclasses.Field) -> Option:
 
 
 def _server_options() -> list[Option]:
-    """spec.engine keys that are not EngineConfig knobs: the server's parameter dtype, and the LoRA bank's
-    size (flags the operator passes beside ``--lora``; the server side is not in this release)."""
+    """spec.engine keys that are not EngineConfig knobs: the server's parameter dtype. (The LoRA bank's
+    size, maxLoras and maxLoraRank, are EngineConfig knobs; the operator also passes them as flags beside
+    ``--lora``, operator/vsurge_operator/adapters.py.)"""
     from vsurge.serve_options import DTYPES, SERVE_OPTIONS
 
     dtype = next(o for o in SERVE_OPTIONS if o.flag == "--dtype")
@@ -116,24 +117,6 @@ def _server_options() -> list[Option]:
             "string",
             f"{dtype.help} (`vsurge serve --dtype`, {dtype.env}).",
             DTYPES,
-        ),
-        Option(
-            "maxLoras",
-            "max_loras",
-            None,
-            "integer",
-            "LoRA adapters resident on the device at once (`--max-loras`; the server's default 8).",
-            minimum=1,
-            maximum=1024,
-        ),
-        Option(
-            "maxLoraRank",
-            "max_lora_rank",
-            None,
-            "integer",
-            "Highest adapter rank the adapter bank holds (`--max-lora-rank`; the server's default 64).",
-            minimum=1,
-            maximum=1024,
         ),
     ]
 

@@ -16,6 +16,11 @@ from .blocks import cell, code
 # name -> (default, meaning). Environment only: settings of the process's surroundings (a cache, a mount,
 # a secret that must never be on a command line) or test and debugging overrides.
 ENV_ONLY: dict[str, tuple[str, str]] = {
+    "VSURGE_ENABLE_LORA_RUNTIME_UPDATES": (
+        "off",
+        "`1` / `true`: `vsurge serve --enable-lora-runtime-updates` (POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter answer; the InferenceModel's `spec.env` can set it)",
+    ),
     "VSURGE_CACHE_DIR": (
         "`~/.cache/vsurge`",
         "the model cache (`models/<source>/<revision>/`), the default model's download and the persistent "

@@ -91,6 +91,8 @@ class ActiveRequest:
 
     __slots__ = (
         "id",
+        "adapter",
+        "adapter_slot",
         "prompt_ids",
         "params",
         "model",
@@ -120,6 +122,7 @@ class ActiveRequest:
         metadata: vSurgeMetadata | None = None,
         channel: ReturnChannel | None = None,
         model: str = "",
+        adapter: str | None = None,
     ):
         from ..engines.sampling import seed_key_data
 
@@ -127,6 +130,8 @@ class ActiveRequest:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.model = model
+        self.adapter = adapter  # the LoRA adapter's name (None: the base model)
+        self.adapter_slot = -1  # its bank slot once the driver pinned one (drivers/lora_adapters.py)
         self.metadata = metadata or vSurgeMetadata(id=self.id)
         self.channel = channel or ReturnChannel()
         self.stop_ids = set(params.stop_token_ids or ())

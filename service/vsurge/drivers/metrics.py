@@ -30,6 +30,11 @@ class DriverMetrics:
     # speculative decoding (None when it is off): draft tokens verified, and those accepted
     spec_decode_draft_tokens_total: int | None = None
     spec_decode_accepted_tokens_total: int | None = None
+    # LoRA (None / empty without an adapter bank): the bank's slots, and the adapters of requests holding
+    # a slot and of those waiting for one (the GIE gauge vllm:lora_requests_info)
+    max_loras: int | None = None
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +49,7 @@ class RequestStats:
     tpot: float | None
     e2e_latency: float
     queue_time: float | None
+    adapter: str | None = None  # the LoRA adapter the request ran with (None: the base model)
 
 
 class MetricsRecorder:
@@ -91,6 +97,7 @@ class MetricsRecorder:
                 tpot=(now - s.first_token_at) / (n - 1) if s.first_token_at and n > 1 else None,
                 e2e_latency=now - md.queued_at,
                 queue_time=(md.prefill_started_at - md.queued_at) if md.prefill_started_at else None,
+                adapter=req.adapter,
             )
             for fn in list(self.observers):
                 try:

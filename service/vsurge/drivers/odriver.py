@@ -38,6 +38,7 @@ from ..engines.page_scheduler import Chunk, PageScheduler, Seq
 from ..engines.paging import page_hashes
 from .active_request import ActiveRequest
 from .lanes import Abort, FirstToken, Preempt, Prepared
+from .lora_adapters import adapters_for, left, lora_figures, pin_request, submit_request
 from .metrics import DriverMetrics
 from .pipeline import Lane, Pipeline, StepLoop, drain
 
@@ -116,7 +117,8 @@ class PagedSteps:
             if seq.req.metadata.prefill_started_at is None:
                 seq.req.metadata.prefill_started_at = now
             tokens = seq.tokens[c.start : c.start + c.length]
-            work.append(ChunkWork(tokens, c.start, sched.row(seq), seq.slot, seq.inputs if c.final else None))
+            inputs = seq.inputs if c.final else None
+            work.append(ChunkWork(tokens, c.start, sched.row(seq), seq.slot, inputs, seq.req.adapter_slot))
         try:
             state, out, firsts = eng.step(state, self._table, active, work)
         except Exception as e:
@@ -213,6 +215,9 @@ class oDriver:  # noqa: N801 - the seed's name
         self._requeue: queue.SimpleQueue[Seq] = queue.SimpleQueue()
         self._lane = self.pipeline.new_lane(2 * engine.max_concurrent_decodes)
         self._steps = PagedSteps(self, self._lane)
+        # LoRA adapters (drivers/lora_adapters.py): None unless the engine carries an adapter bank
+        self.lora = adapters_for([engine])
+        self.pipeline.end_hooks.append(left(self.lora))
 
     # ------------------------------------------------------------------ seed API
     @property
@@ -250,7 +255,8 @@ class oDriver:  # noqa: N801 - the seed's name
         self.pipeline.metrics.observers.append(fn)
 
     def submit_request(self, request: Any) -> None:
-        self.pipeline.submit(request, self._engine.max_concurrent_decodes)
+        n = self._engine.max_concurrent_decodes
+        submit_request(self.lora, request, lambda: self.pipeline.submit(request, n))
 
     def place_request_on_prefill_queue(self, request: ActiveRequest) -> None:
         self.submit_request(request)
@@ -277,11 +283,14 @@ class oDriver:  # noqa: N801 - the seed's name
             pages_total=mgr.num_pages,
             preemptions_total=sched.preemptions,
             prefix_cache_hits_total=mgr.hits,
+            **lora_figures(self.lora),
         )
 
     # ------------------------------------------------------------------ lifecycle
     def compile(self, progress: Callable[[str], None] | None = None) -> float:
         seconds = self._engine.compile(progress)
+        if self.lora is not None:
+            self.lora.bank.warm()  # the bank's update programs: loading an adapter compiles nothing
         if self.live:  # the step thread already holds a state: do not keep a second cache alive
             self._engine._spare = None
         return seconds
@@ -319,9 +328,14 @@ class oDriver:  # noqa: N801 - the seed's name
                 f"prompt of {n} tokens leaves no room to generate within max_length {eng.max_length}"
             )
         tokens = np.asarray(req.prompt_ids + list(generated), np.int32)
-        if keys is None:
-            keys = page_hashes(tokens, eng.page_size)
-        inputs = eng.seq_inputs(req.params, sorted(req.stop_ids), req.keys[index], req.prompt_ids, generated)
+        if keys is None:  # an adapter's KV is its own: its pages are keyed apart from the base's
+            seed = (
+                b"" if req.adapter is None or self.lora is None else self.lora.identity(req.adapter).encode()
+            )
+            keys = page_hashes(tokens, eng.page_size, seed)
+        inputs = eng.seq_inputs(
+            req.params, sorted(req.stop_ids), req.keys[index], req.prompt_ids, generated, req.adapter_slot
+        )
         return Seq(req, index, tokens, keys, len(generated), n, req.budget(eng.max_length), inputs)
 
     def _prepare_loop(self) -> None:
@@ -333,12 +347,18 @@ class oDriver:  # noqa: N801 - the seed's name
             if req.cancelled:
                 p.finish(req, "abort")
                 continue
+            # its adapter's bank slot; waiting here is safe: the slots are pinned by requests already
+            # handed to the step thread, which end without this thread
+            if not pin_request(self.lora, req, True, lambda: p.live):
+                if not req.finalized:
+                    p.finish(req, "abort")  # stopping
+                continue
             try:
                 first = self._make_seq(req, 0, [])
                 seqs = [first] + [self._make_seq(req, i, [], first.keys) for i in range(1, req.params.n)]
                 if req.params.prompt_logprobs is not None:  # a dense pass of its own, off the step thread
                     req.prompt_logprobs = self._engine.score_prompt(
-                        req.prompt_ids, req.params.prompt_logprobs
+                        req.prompt_ids, req.params.prompt_logprobs, req.adapter_slot
                     )
             except Exception as e:  # one bad request must not take the driver down
                 p.fail(req, f"prefill failed: {e}")

@@ -136,6 +136,8 @@ class Pipeline:
         self.prefill_q: queue.Queue = PrefillQueue(max_queue_size)
         self.detokenizing_blocks = detokenizing_blocks
         self.metrics = MetricsRecorder()
+        # called once per request when it ends, however it ends (a LoRA adapter's pin is released there)
+        self.end_hooks: list[Callable[[ActiveRequest], None]] = []
         self.live = False
         self._threads: list[threading.Thread] = []
         self._in_pipeline = 0  # requests submitted and not yet on a lane's backlog (nor ended)
@@ -206,14 +208,18 @@ class Pipeline:
                 req.in_pipeline = False
                 self._in_pipeline -= 1
 
-    @staticmethod
-    def _finalize(req: ActiveRequest) -> bool:
+    def _finalize(self, req: ActiveRequest) -> bool:
         """True exactly once per request: its end is counted and its channel closed once."""
         with req._lock:
             if req.finalized:
                 return False
             req.finalized = True
-            return True
+        for hook in self.end_hooks:
+            try:
+                hook(req)
+            except Exception:  # a hook's bug must not keep the request from ending
+                log.exception("end hook failed for request %s", req.id)
+        return True
 
     def finish(self, req: ActiveRequest, reason: str) -> None:
         """End a request that did not finish on its own (e.g. 'abort'); idempotent."""

@@ -34,6 +34,7 @@ from .active_request import ActiveRequest
 from .dense_slots import DenseSlots
 from .inplace_prefill import prefilled_in_step
 from .lanes import Arrived, PrefilledPack
+from .lora_adapters import adapters_for, left, lora_figures, pin_request, submit_request
 from .metrics import DriverMetrics
 from .pipeline import Pipeline, drain
 from .transfer import transfer_group
@@ -93,6 +94,9 @@ class vDriver:  # noqa: N801 - the seed's name
         self._speculative = any(e.speculator is not None for e in self._decode_engines)
         # max_num_batched_tokens set: the decode steps prefill prompts in place (inplace_prefill.py)
         self._mixed = all(e.mixed is not None for e in self._decode_engines)
+        # LoRA adapters (drivers/lora_adapters.py): None unless the engines carry an adapter bank
+        self.lora = adapters_for(self.engines)
+        self.pipeline.end_hooks.append(left(self.lora))
 
     # ------------------------------------------------------------------ seed API
     @property
@@ -112,7 +116,10 @@ class vDriver:  # noqa: N801 - the seed's name
         return self.pipeline.live
 
     def compile(self, progress: Callable[[str], None] | None = None) -> float:
-        return sum(e.compile(progress) for e in self.engines)
+        seconds = sum(e.compile(progress) for e in self.engines)
+        if self.lora is not None:
+            self.lora.bank.warm()  # the bank's update programs: loading an adapter compiles nothing
+        return seconds
 
     @property
     def num_used_slots(self) -> int:
@@ -125,7 +132,8 @@ class vDriver:  # noqa: N801 - the seed's name
         self.pipeline.metrics.observers.append(fn)
 
     def submit_request(self, request: Any) -> None:
-        self.pipeline.submit(request, self._decode_engines[0].max_concurrent_decodes)
+        n = self._decode_engines[0].max_concurrent_decodes
+        submit_request(self.lora, request, lambda: self.pipeline.submit(request, n))
 
     def place_request_on_prefill_queue(self, request: ActiveRequest) -> None:
         self.submit_request(request)
@@ -155,6 +163,7 @@ class vDriver:  # noqa: N801 - the seed's name
             finished_total=dict(m.finished),
             spec_decode_draft_tokens_total=m.draft_tokens if self._speculative else None,
             spec_decode_accepted_tokens_total=m.accepted_tokens if self._speculative else None,
+            **lora_figures(self.lora),
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -224,6 +233,17 @@ class vDriver:  # noqa: N801 - the seed's name
                     break
             if not self._admit_prefill(engine, req):
                 continue
+            if not pin_request(self.lora, req, False, lambda: self.pipeline.live):
+                # every bank slot is pinned by other adapters' requests: prefill what is taken, or, with
+                # nothing taken, try again shortly (pins are released as requests end)
+                if req.finalized:
+                    continue
+                if batch:
+                    carry.appendleft(req)
+                else:
+                    carry.append(req)
+                    time.sleep(0.02)
+                break
             if not batch and self.num_used_slots:  # whether streams decode now, not when the wait began
                 max_prompts = min(engine.max_concurrent_prefill, BUSY_PREFILL_PROMPTS)
                 max_rows = min(largest, BUSY_PREFILL_ROWS)
@@ -298,13 +318,14 @@ class vDriver:  # noqa: N801 - the seed's name
             head = batch[0]
             if engine.needs_chunks(head.prompt_ids, head.params):
                 prefix, head.prompt_logprobs = engine.prefill_chunked(
-                    head.prompt_ids, head.params, sorted(head.stop_ids)
+                    head.prompt_ids, head.params, sorted(head.stop_ids), head.adapter_slot
                 )
             else:
                 prefix = engine.prefill_many(
                     [r.prompt_ids for r in batch],
                     [r.params for r in batch],
                     [sorted(r.stop_ids) for r in batch],
+                    [r.adapter_slot for r in batch],
                 )
         except Exception as e:
             for req in batch:

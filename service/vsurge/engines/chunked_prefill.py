@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from ..models.attention import ChunkAttention
+from ..models.lora import has_bank
 from ..request import TokenLogprob
 from ..sampling_params import MAX_TOP_LOGPROBS
 from .sampling import _top_k, sharded_sampling
@@ -33,12 +34,14 @@ Rows = tuple[tuple[jax.Array, jax.Array], ...]
 SMALL_CHUNK = 128
 
 
-def _extend_impl(graphdef, params, rows: Rows, tokens, start):
-    """One chunk into the row; returns the row and the chunk's final hidden states [C, hidden]."""
+def _extend_impl(graphdef, params, rows: Rows, tokens, start, adapter=None):
+    """One chunk into the row; returns the row and the chunk's final hidden states [C, hidden].
+    ``adapter``: the prompt's LoRA bank slot (i32 scalar), only on an engine with a bank."""
     model = nnx.merge(graphdef, params)
     positions = (start + jnp.arange(tokens.shape[0], dtype=jnp.int32))[None]
     backend = ChunkAttention(window=model.config.sliding_window)
-    hidden, rows = model(tokens[None], positions, backend, list(rows), (positions, start))
+    lora = None if adapter is None else jnp.full(positions.shape, adapter, jnp.int32)
+    hidden, rows = model(tokens[None], positions, backend, list(rows), (positions, start), lora)
     return tuple(tuple(r) for r in rows), hidden[0]
 
 
@@ -87,6 +90,8 @@ class ChunkedPrefill:
         leaf = jax.tree_util.tree_leaves(params)[0]
         sharded = isinstance(getattr(leaf, "sharding", None), NamedSharding)  # placed on a mesh
         self._logprobs = jax.jit(partial(_logprobs_impl, graphdef, sharded=sharded))
+        # the adapter argument exists only with a LoRA bank: without, the programs are those of before
+        self.lora = has_bank(nnx.merge(graphdef, params))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -97,14 +102,19 @@ class ChunkedPrefill:
         rows = jax.eval_shape(self._zeros)
         for b in self.buckets:
             tokens = np.zeros(b, np.int32)
-            out.append((f"chunk bucket {b}", self._extend, (self.params, rows, tokens, np.int32(0))))
+            args = (self.params, rows, tokens, np.int32(0)) + ((np.int32(-1),) if self.lora else ())
+            out.append((f"chunk bucket {b}", self._extend, args))
             hidden = jax.ShapeDtypeStruct((b, self.hidden_size), self.dtype)
             out.append((f"prompt logprobs bucket {b}", self._logprobs, (self.params, hidden, tokens)))
         return out
 
-    def run(self, tokens: Sequence[int], want_logprobs: bool) -> tuple[Rows, jax.Array, list | None]:
-        """Prefill the whole prompt chunk by chunk. Returns (row, hidden state at the last prompt token,
-        the host logprob arrays per chunk or None); dispatched asynchronously except the logprobs."""
+    def run(
+        self, tokens: Sequence[int], want_logprobs: bool, adapter: int = -1
+    ) -> tuple[Rows, jax.Array, list | None]:
+        """Prefill the whole prompt chunk by chunk (with LoRA bank slot ``adapter``, -1: none). Returns
+        (row, hidden state at the last prompt token, the host logprob arrays per chunk or None); dispatched
+        asynchronously except the logprobs."""
+        lora = (np.int32(adapter),) if self.lora else ()
         n = len(tokens)
         if not 1 <= n <= self.row_length:
             raise ValueError(f"a chunked prefill takes 1..{self.row_length} tokens, got {n}")
@@ -118,7 +128,7 @@ class ChunkedPrefill:
             b = self._bucket(m)
             chunk = np.full(b, self.pad_token_id, np.int32)
             chunk[:m] = ids[start : start + m]
-            rows, hidden = self._extend(self.params, rows, chunk, np.int32(start))
+            rows, hidden = self._extend(self.params, rows, chunk, np.int32(start), *lora)
             last = m - 1
             if want_logprobs:
                 targets = np.zeros(b, np.int32)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..models.attention import DenseDecodeAttention, PrefillAttention, kv_store, to_flat
+from ..models.lora import has_bank, token_slots
 from ..models.target import target_backend
 from .engine_base import constrain, sample_first_token, sample_step, start_slot
 from .sampling import SlotSampling, sample, sharded_sampling
@@ -52,7 +53,8 @@ def _prefill_impl(graphdef, params, tokens, positions, segments, totals, starts,
     r, t = tokens.shape
     backend = PrefillAttention(window=model.config.sliding_window)
     meta = (positions, totals, segments)
-    hidden, kv = model(tokens, positions, backend, [None] * model.config.num_layers, meta)
+    lora = token_slots(sampling.lora, segments) if has_bank(model) else None  # each prompt's adapter
+    hidden, kv = model(tokens, positions, backend, [None] * model.config.num_layers, meta, lora)
     last = hidden.reshape(r * t, -1)[jnp.maximum(starts + lengths - 1, 0)]
     vocab = model.config.vocab_size
     valid = (jnp.arange(t)[None, :] < totals[:, None]).reshape(-1)
@@ -148,7 +150,10 @@ def _forward_impl(graphdef, params, state: GenerationState, lengths, *, rows: in
     model = nnx.merge(graphdef, params)
     backend = DenseDecodeAttention(window=model.config.sliding_window)
     pos = state.positions[:rows]
-    hidden, caches = model(state.tokens[:rows, None], pos[:, None], backend, state.caches, (pos, lengths))
+    lora = state.sampling.lora[:rows, None] if has_bank(model) else None  # each row's adapter
+    hidden, caches = model(
+        state.tokens[:rows, None], pos[:, None], backend, state.caches, (pos, lengths), lora
+    )
     logits = model.compute_logits(hidden[:, 0])
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)

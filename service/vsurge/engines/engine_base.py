@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
+from ..models.lora import attach_bank, detach_bank
 from ..models.sharding import place_params
 from ..models.target import target_backend
 from .chunked_prefill import ChunkedPrefill
@@ -174,10 +175,21 @@ class EngineBase:
         self.samples_per_slot = 1
         self.num_top_logprobs = config.num_top_logprobs
         self.prng_key = jax.random.PRNGKey(config.seed)
+        # the LoRA bank is part of the model's state when asked for, and absent otherwise (models/lora.py)
+        if config.enable_lora:
+            attach_bank(model, config.max_loras, config.max_lora_rank)
+        else:
+            detach_bank(model)  # a model an earlier engine gave a bank
         self.graphdef, params = nnx.split(model)
         self.params = place_params(params, self.config, mesh) if mesh is not None else params
         self.decode_rows = row_buckets(self.max_concurrent_decodes, smallest_rows)
         self.logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
+
+    def lora_trees(self) -> list[Any]:
+        """The weight trees this engine hands its programs that hold the LoRA bank (lora_bank.py writes
+        into each): the model's, and a bfloat16 copy where there is one."""
+        bf16 = getattr(self, "_bf16", None)
+        return [self.params] + ([bf16] if bf16 is not None else [])
 
     def _make_chunked(self, params: Any = None) -> ChunkedPrefill:
         """The chunked prefill, on ``params`` (default: the model's weights)."""
@@ -192,9 +204,10 @@ class EngineBase:
             self.model.dtype,
         )
 
-    def score_prompt(self, tokens: Sequence[int], k: int) -> list[Any]:
-        """The prompt's logprobs (None, then each token's given the ones before it, with the top k)."""
-        _, _, parts = self.chunked.run(tokens, True)
+    def score_prompt(self, tokens: Sequence[int], k: int, adapter: int = -1) -> list[Any]:
+        """The prompt's logprobs (None, then each token's given the ones before it, with the top k), under
+        LoRA bank slot ``adapter`` (-1: the base model)."""
+        _, _, parts = self.chunked.run(tokens, True, adapter)
         return ChunkedPrefill.prompt_logprobs(tokens, parts, k)
 
     def warm_chunked(self) -> None:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..models.lora import has_bank
 from ..models.paged_attention import PagedRaggedAttention, ragged_token_layout
 
 
@@ -34,6 +35,7 @@ class ChunkWork(NamedTuple):
     row: np.ndarray  # i32[W]: the sequence's page row (scratch-padded)
     slot: int  # the decode slot the sequence is seated in after its final chunk
     inputs: Any = None  # SeqInputs for a final chunk (its first token is sampled); None otherwise
+    adapter: int = -1  # the sequence's LoRA bank slot (-1: the base model)
 
     @property
     def final(self) -> bool:
@@ -47,10 +49,22 @@ class MetaLayout(NamedTuple):
     tokens: int  # P prefill token slots
     seqs: int  # K chunk slots
     width: int  # W page-table columns
+    # with a LoRA bank: the R rows' and the K chunks' bank slots follow (absent without: the vector and
+    # the programs are those of before)
+    lora: bool = False
+
+    @property
+    def base(self) -> int:
+        """The size of the parts every step has."""
+        return self.tokens + self.seqs + (self.seqs + 1) + self.seqs * self.width + self.rows + 1
 
     @property
     def size(self) -> int:
-        return self.tokens + self.seqs + (self.seqs + 1) + self.seqs * self.width + self.rows + 1
+        return self.base + (self.rows + self.seqs if self.lora else 0)
+
+    def adapters(self, meta: jax.Array) -> jax.Array:
+        """i32[R + K]: the bank slot of each sequence of the step (decode rows, then chunks)."""
+        return meta[self.base : self.base + self.rows + self.seqs]
 
     def split(self, meta: jax.Array) -> tuple[jax.Array, ...]:
         """(tokens [P], kv_lens [K], cu [K+1], rows [K, W], active [R], num_chunks [1])."""
@@ -61,8 +75,14 @@ class MetaLayout(NamedTuple):
         return tuple(part)
 
 
-def pack_meta(layout: MetaLayout, chunks: Sequence[ChunkWork], active: np.ndarray) -> np.ndarray:
-    """The host side of a step: chunks back to back, then their metadata, then the decoding rows' mask."""
+def pack_meta(
+    layout: MetaLayout,
+    chunks: Sequence[ChunkWork],
+    active: np.ndarray,
+    row_adapters: np.ndarray | None = None,
+) -> np.ndarray:
+    """The host side of a step: chunks back to back, then their metadata, then the decoding rows' mask;
+    with LoRA, each row's bank slot (``row_adapters``, by slot) and each chunk's."""
     p, k, w, r = layout.tokens, layout.seqs, layout.width, layout.rows
     if len(chunks) > k:
         raise ValueError(f"{len(chunks)} chunks in a step that packs at most {k}")
@@ -80,8 +100,13 @@ def pack_meta(layout: MetaLayout, chunks: Sequence[ChunkWork], active: np.ndarra
     if at > p:
         raise ValueError(f"{at} chunk tokens in a step of {p}")
     cu[len(chunks) + 1 :] = at
-    out[-1 - r : -1] = active[:r]
-    out[-1] = len(chunks)
+    end = layout.base
+    out[end - 1 - r : end - 1] = active[:r]
+    out[end - 1] = len(chunks)
+    if layout.lora:
+        out[end : end + r] = -1 if row_adapters is None else row_adapters[:r]
+        out[end + r : end + r + k] = -1
+        out[end + r : end + r + len(chunks)] = [c.adapter for c in chunks]
     return out
 
 
@@ -99,10 +124,18 @@ def mixed_forward(
     cu_q_lens = jnp.concatenate([jnp.arange(r, dtype=jnp.int32), r + pf_cu])
     num_seqs = r + num_chunks
     flat = jnp.concatenate([tokens[:r], pf_tokens])
-    _, pos = ragged_token_layout(kv_lens, cu_q_lens, num_seqs, flat.shape[0])
+    seq, pos = ragged_token_layout(kv_lens, cu_q_lens, num_seqs, flat.shape[0])
     backend = PagedRaggedAttention(page_size, num_decode=r, window=model.config.sliding_window)
+    lora = None
+    if layout.lora and has_bank(model):  # each token's adapter: its sequence's (padding: none)
+        lora = jnp.concatenate([layout.adapters(meta), jnp.full((1,), -1, jnp.int32)])[seq][None]
     hidden, pages = model(
-        flat[None], jnp.maximum(pos, 0)[None], backend, pages, (kv_lens, page_indices, cu_q_lens, num_seqs)
+        flat[None],
+        jnp.maximum(pos, 0)[None],
+        backend,
+        pages,
+        (kv_lens, page_indices, cu_q_lens, num_seqs),
+        lora,
     )
     hidden = hidden[0]
     dec_logits = model.compute_logits(hidden[:r]) if r else None

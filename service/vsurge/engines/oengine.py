@@ -201,6 +201,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         # a prefill-only step runs with the smallest row count, all rows idle: one program fewer per
         # chunk bucket to compile, for the cost of a few idle rows
         self.step_rows = list(self.decode_rows)
+        self._slot_adapter = np.full(self.max_concurrent_decodes, -1, np.int32)
         self._make_programs()
         # compile() also covers prefill_chunk/decode when set (oDriver runs only the mixed step; the
         # per-sequence programs stay for direct use and compile on first call)
@@ -281,7 +282,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         return out
 
     def _layout(self, rows: int, tokens: int) -> MetaLayout:
-        return MetaLayout(rows, tokens, self.step_seqs, self.table_width)
+        return MetaLayout(rows, tokens, self.step_seqs, self.table_width, self.engine_config.enable_lora)
 
     def step_shape(self, num_rows: int, num_tokens: int) -> tuple[int, int]:
         """The (rows, chunk tokens) program covering ``num_rows`` leading slots and ``num_tokens``."""
@@ -334,11 +335,12 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         key: np.ndarray,
         prompt_ids: Sequence[int],
         generated_ids: Sequence[int] = (),
+        adapter: int = -1,
     ) -> SeqInputs:
         """Device inputs for sampling a sequence's next token after its prefill (or recompute)."""
-        v = self.config.vocab_size
+        v, stops = self.config.vocab_size, [list(stop_ids)[:DEFAULT_MAX_STOP_IDS]]
         put = partial(put_host, sharding=self._replicated())  # no collective across processes
-        row = make_slot_sampling([params], keys=[key], stop_ids=[list(stop_ids)[:DEFAULT_MAX_STOP_IDS]])
+        row = make_slot_sampling([params], keys=[key], stop_ids=stops, adapters=[adapter])
         mask = np.zeros(v, bool)
         mask[np.asarray(prompt_ids, np.int64)] = True
         if generated_ids:
@@ -419,7 +421,8 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         rows, tokens = self.step_shape(num_rows, sum(len(c.tokens) for c in chunks))
         mask = np.zeros(rows, np.int32)
         mask[:num_rows] = active[:num_rows]
-        meta = pack_meta(self._layout(rows, tokens), chunks, mask)
+        self._slot_adapter[[c.slot for c in chunks]] = [c.adapter for c in chunks]  # LoRA, by slot
+        meta = pack_meta(self._layout(rows, tokens), chunks, mask, self._slot_adapter)
         fn = self._mixed[(rows, tokens)]
         pages, dec_logits, pf_logits = fn(
             self.params, state.pages, state.tokens, state.positions, table, meta

@@ -43,13 +43,14 @@ DEFAULT_HOST_KV_BYTES = 512 * 1024 * 1024
 _ROOT = b"vsurge-prefix-v1"
 
 
-def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> list[bytes]:
-    """Chained keys of the full pages of ``tokens``: key i names tokens[: (i + 1) * page_size] exactly.
+def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int, seed: bytes = b"") -> list[bytes]:
+    """Chained keys of the full pages of ``tokens``: key i names tokens[: (i + 1) * page_size] exactly;
+    ``seed`` (a LoRA adapter's identity) starts another chain, so its pages never match the base's.
 
     blake2b (128 bits) so a collision, which would silently serve another prompt's KV, is not a concern.
     """
     arr = np.asarray(tokens, dtype=np.int32)
-    out, parent = [], _ROOT
+    out, parent = [], _ROOT if not seed else hashlib.blake2b(_ROOT + seed, digest_size=16).digest()
     for i in range(len(arr) // page_size):
         parent = hashlib.blake2b(
             parent + arr[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16

@@ -43,6 +43,10 @@ class SlotSampling(NamedTuple):
     # (`make_slot_sampling` sets it from SamplingParams.logprobs / top_logprobs). A step where no slot asks
     # computes none of them. None (a SlotSampling built by hand without it): computed every step.
     num_logprobs: jax.Array | None = None
+    # i32[S]: the LoRA bank slot of the slot's request (-1: the base model). The sampler never reads it; it
+    # rides here because every insert, seat and slot move already copies a request's row of this state,
+    # and vEngine's programs read it for the model's per-row adapter (models/lora.py)
+    lora: jax.Array | None = None
 
 
 class SampleResult(NamedTuple):
@@ -82,7 +86,7 @@ def slot_num_logprobs(p: SamplingParams | None) -> int:
 
 
 # Fields make_slot_sampling does not copy from SamplingParams by name.
-_DERIVED = ("key", "stop_ids", "bias_ids", "bias_vals", "restrict", "num_logprobs")
+_DERIVED = ("key", "stop_ids", "bias_ids", "bias_vals", "restrict", "num_logprobs", "lora")
 
 
 def make_slot_sampling(
@@ -91,11 +95,13 @@ def make_slot_sampling(
     stop_ids: Sequence[Sequence[int]] | None = None,
     max_stop_ids: int = DEFAULT_MAX_STOP_IDS,
     max_bias_ids: int = DEFAULT_MAX_BIAS_IDS,
+    adapters: Sequence[int] | None = None,
 ) -> SlotSampling:
     """Build a `SlotSampling` from host values; ``None`` entries are idle slots (greedy, no penalties).
 
     ``keys[i]`` defaults to ``seed_key_data(params[i].seed)``; ``stop_ids[i]`` lists the token ids that end
-    request i (EOS unless ignore_eos, plus stop_token_ids), used only to enforce min_tokens on device.
+    request i (EOS unless ignore_eos, plus stop_token_ids), used only to enforce min_tokens on device;
+    ``adapters[i]`` its LoRA bank slot (default -1: the base model).
     """
     n = len(params)
     # Idle slots: greedy (the cheapest path), neutral filters / penalties, no logprobs.
@@ -114,7 +120,10 @@ def make_slot_sampling(
         "bias_vals": np.zeros((n, max_bias_ids), np.float32),
         "restrict": np.zeros(n, bool),
         "num_logprobs": np.full(n, NO_LOGPROBS, np.int32),
+        "lora": np.full(n, -1, np.int32),
     }
+    if adapters is not None:
+        cols["lora"][: len(adapters)] = adapters
     for i, p in enumerate(params):
         if keys is not None:
             cols["key"][i] = keys[i]

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ..models.attention import as_given, flat_cache, kv_store, read_chunk, read_dense_rows, to_flat
+from ..models.lora import has_bank
 from ..sampling_params import SamplingParams
 from .engine_base import constrain, sampling_context
 from .sampling import SlotSampling, sample
@@ -107,7 +108,8 @@ def _verify_step_impl(
     pos = state.positions[:rows]
     tokens_in = jnp.concatenate([state.tokens[:rows, None], draft], axis=1)  # [rows, K+1]
     positions = pos[:, None] + jnp.arange(k + 1)[None, :]
-    hidden, caches = model(tokens_in, positions, backend, state.caches, (pos, lengths))
+    lora = jnp.broadcast_to(state.sampling.lora[:rows, None], tokens_in.shape) if has_bank(model) else None
+    hidden, caches = model(tokens_in, positions, backend, state.caches, (pos, lengths), lora)
     logits = model.compute_logits(hidden.reshape(rows * (k + 1), -1)).reshape(rows, k + 1, -1)
     sampling = SlotSampling(*(a[:rows] for a in state.sampling))
     steps = state.steps[:rows]

@@ -220,18 +220,19 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         return self.prefill_many([tokens], [params], [stop_ids])
 
     def prefill_chunked(
-        self, tokens: Sequence[int], params: SamplingParams, stop_ids: Sequence[int] = ()
+        self, tokens: Sequence[int], params: SamplingParams, stop_ids: Sequence[int] = (), adapter: int = -1
     ) -> tuple[Prefix, list[Any] | None]:
         """Prefill one prompt of any length up to max_prompt_length chunk by chunk; returns the Prefix
-        (entry 0) and, when params.prompt_logprobs is set, the prompt's logprobs (see ChunkedPrefill)."""
+        (entry 0) and, when params.prompt_logprobs is set, the prompt's logprobs (see ChunkedPrefill).
+        ``adapter``: its LoRA bank slot (-1: the base model)."""
         n = self.check_prompt(tokens)
         want = params.prompt_logprobs is not None
-        rows, last, parts = self.chunked.run(tokens, want)
+        rows, last, parts = self.chunked.run(tokens, want, adapter)
         padded = np.full(self.chunked.row_length, self.pad_token_id, np.int32)
         padded[:n] = tokens
         k = self.max_concurrent_prefill
         stops = [list(stop_ids)[:DEFAULT_MAX_STOP_IDS]] + [[]] * (k - 1)
-        sampling = make_slot_sampling([params] + [None] * (k - 1), stop_ids=stops)
+        sampling = make_slot_sampling([params] + [None] * (k - 1), stop_ids=stops, adapters=[adapter])
         prefix = self._long_prefix(rows, last, padded, np.int32(n), sampling)
         lps = ChunkedPrefill.prompt_logprobs(tokens, parts, params.prompt_logprobs) if want else None
         return prefix, lps
@@ -241,10 +242,12 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         stop_ids: Sequence[Sequence[int]] | None = None,
+        adapters: Sequence[int] | None = None,
     ) -> Prefix:
         """Prefill up to `max_concurrent_prefill` prompts in one call, packed one after another into the
-        smallest bucket that holds them all (no padding per prompt). Dispatched asynchronously."""
-        return self._prefill(self.prefill_params, *self._pack(prompts, params, stop_ids))
+        smallest bucket that holds them all (no padding per prompt). Dispatched asynchronously.
+        ``adapters``: each prompt's LoRA bank slot (default: none, the base model)."""
+        return self._prefill(self.prefill_params, *self._pack(prompts, params, stop_ids, adapters))
 
     def pack_rows_for(self, lengths: Sequence[int], max_rows: int | None = None) -> int | None:
         """The rows of the call that prefills prompts of these lengths together: 1 (one row, the bucket
@@ -259,7 +262,7 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
                 return next(r for r in rows if r >= need)
         return 1 if total <= self.max_prefill_length else None
 
-    def _pack(self, prompts, params, stop_ids) -> tuple:
+    def _pack(self, prompts, params, stop_ids, adapters=None) -> tuple:
         k = self.max_concurrent_prefill
         if not 1 <= len(prompts) <= k or len(params) != len(prompts):
             raise ValueError(f"prefill_many takes 1..{k} prompts with one SamplingParams each")
@@ -286,7 +289,9 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
             totals[r] += n
         stops = [list(s)[:DEFAULT_MAX_STOP_IDS] for s in (stop_ids or [()] * len(prompts))]
         pad = k - len(prompts)
-        sampling = make_slot_sampling(list(params) + [None] * pad, stop_ids=stops + [[]] * pad)
+        sampling = make_slot_sampling(
+            list(params) + [None] * pad, stop_ids=stops + [[]] * pad, adapters=adapters
+        )
         return tokens, positions, segments, totals, starts, lens, sampling
 
     def insert(
@@ -366,9 +371,12 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         ks[:n] = keys
         return self._firsts(self.params, prefix.hidden, prefix.sampling, prefix.prompt_mask, js, ks)
 
-    def make_sampling_row(self, params: SamplingParams | None, stop_ids: Sequence[int]) -> SlotSampling:
+    def make_sampling_row(
+        self, params: SamplingParams | None, stop_ids: Sequence[int], adapter: int = -1
+    ) -> SlotSampling:
         """One request's sampler row (host arrays), as a prefill builds it: for `DenseMixedStep.seat`."""
-        return make_slot_sampling([params], stop_ids=[list(stop_ids)[:DEFAULT_MAX_STOP_IDS]])
+        stops = [list(stop_ids)[:DEFAULT_MAX_STOP_IDS]]
+        return make_slot_sampling([params], stop_ids=stops, adapters=[adapter])
 
     def entry_keys(self, prefix: Prefix) -> np.ndarray:
         """u32[K, 2]: each entry's own sampling key, on the host."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from .lora import lora_delta
 from .quantization import check_quantization, embed_rows, int8_matmul
 from .registry import register_architecture
 from .rope import apply_rope, inverse_frequencies
@@ -38,7 +39,9 @@ class Linear(nnx.Module):
             self.scale = None
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, lora: jnp.ndarray | None = None) -> jnp.ndarray:
+        """``lora``: each token's adapter bank slot (x's leading shape; -1 none), read only when the
+        engine attached a bank (models/lora.py); None or no bank: the plain projection."""
         if self.scale is not None:
             y = int8_matmul(x, self.kernel[...], self.scale[...]).astype(x.dtype)
         else:
@@ -46,6 +49,9 @@ class Linear(nnx.Module):
             y = jnp.dot(x.astype(k.dtype), k, preferred_element_type=jnp.float32).astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...]
+        bank = getattr(self, "lora_a", None)
+        if bank is not None and lora is not None:
+            y = y + lora_delta(x, lora, bank[...], self.lora_b[...])
         return y
 
 
@@ -76,19 +82,19 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.cfg = cfg
 
-    def __call__(self, x, positions, backend, cache, meta):
+    def __call__(self, x, positions, backend, cache, meta, lora=None):
         b, t, _ = x.shape
         c = self.cfg
-        q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
-        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q = self.q_proj(x, lora).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_proj(x, lora).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x, lora).reshape(b, t, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = inverse_frequencies(c)  # numpy at trace time: a constant in the compiled program
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         out, cache = backend(q, k, v, cache, meta)
-        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim)), cache
+        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim), lora), cache
 
 
 class MLP(nnx.Module):
@@ -99,8 +105,9 @@ class MLP(nnx.Module):
         self.up_proj = Linear(d, i, **lin)
         self.down_proj = Linear(i, d, **lin)
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, lora=None):
+        h = jax.nn.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora)
+        return self.down_proj(h, lora)
 
 
 class DecoderLayer(nnx.Module):
@@ -110,10 +117,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs, quantization)
 
-    def __call__(self, x, positions, backend, cache, meta):
-        h, cache = self.self_attn(self.input_layernorm(x), positions, backend, cache, meta)
+    def __call__(self, x, positions, backend, cache, meta, lora=None):
+        h, cache = self.self_attn(self.input_layernorm(x), positions, backend, cache, meta, lora)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x), lora), cache
 
 
 class Embed(nnx.Module):
@@ -164,11 +171,14 @@ class LlamaForCausalLM(nnx.Module):
         backend: Any,
         caches: Sequence[Any],
         meta: Any,
+        lora: jnp.ndarray | None = None,
     ) -> tuple[jnp.ndarray, list[Any]]:
+        """``lora``: i32, the shape of ``tokens``: each token's adapter bank slot (-1: the base model);
+        None: no adapter anywhere (what every program passes when the engine has no bank)."""
         x = self.model.embed_tokens(tokens)
         new_caches = []
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x, cache = layer(x, positions, backend, cache, meta)
+            x, cache = layer(x, positions, backend, cache, meta, lora)
             new_caches.append(cache)
         return self.model.norm(x), new_caches
 

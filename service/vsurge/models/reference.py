@@ -29,17 +29,20 @@ def pad_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0, length: int | N
 
 
 @partial(jax.jit, static_argnums=(0,))
-def _forward_all(graphdef, state, tokens, lengths):
+def _forward_all(graphdef, state, tokens, lengths, adapters=None):
     model = nnx.merge(graphdef, state)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     backend = PrefillAttention(window=model.config.sliding_window)
-    hidden, kv = model(tokens, positions, backend, [None] * model.config.num_layers, (positions, lengths))
+    lora = None if adapters is None else jnp.broadcast_to(adapters[:, None], (b, t))
+    caches = [None] * model.config.num_layers
+    hidden, kv = model(tokens, positions, backend, caches, (positions, lengths), lora)
     return model.compute_logits(hidden), kv
 
 
-def logits(model: LlamaForCausalLM, input_ids, lengths=None) -> np.ndarray:
-    """Full-sequence logits [batch, seq, vocab] (float32). `lengths` marks right padding per row."""
+def logits(model: LlamaForCausalLM, input_ids, lengths=None, adapters=None) -> np.ndarray:
+    """Full-sequence logits [batch, seq, vocab] (float32). `lengths` marks right padding per row;
+    `adapters` each row's LoRA bank slot (-1: none) on a model with a bank (models/lora.py)."""
     tokens = np.asarray(input_ids, np.int32)
     if tokens.ndim == 1:
         tokens = tokens[None]
@@ -49,7 +52,8 @@ def logits(model: LlamaForCausalLM, input_ids, lengths=None) -> np.ndarray:
         else np.asarray(lengths, np.int32)
     )
     graphdef, state = nnx.split(model)
-    out, _ = _forward_all(graphdef, state, jnp.asarray(tokens), jnp.asarray(lens))
+    extra = () if adapters is None else (jnp.asarray(adapters, jnp.int32),)
+    out, _ = _forward_all(graphdef, state, jnp.asarray(tokens), jnp.asarray(lens), *extra)
     return np.asarray(out)
 
 

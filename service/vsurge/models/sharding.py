@@ -33,6 +33,13 @@ LLAMA_RULES: tuple[tuple[str, P], ...] = (
     (r"mlp/(gate|up)_proj/scale$", P(None, "tp")),
     (r"mlp/down_proj/scale$", P("tp", None)),
     (r"lm_head/scale$", P(None, "tp")),
+    # the LoRA bank (models/lora.py), A [slots, in, R] and B [slots, R, out]: B split like its kernel's
+    # output on column-parallel layers, A like its kernel's input on row-parallel ones, the rest whole
+    # (S-LoRA's layout: each device computes its shard of the update with no extra collective)
+    (r"self_attn/(q|k|v)_proj/lora_b$", P(None, None, "tp")),
+    (r"mlp/(gate|up)_proj/lora_b$", P(None, None, "tp")),
+    (r"self_attn/o_proj/lora_a$", P(None, "tp", None)),
+    (r"mlp/down_proj/lora_a$", P(None, "tp", None)),
     (r".*", P()),
 )
 # model_type -> rules, as registered (models/registry.py; the Llama family registers LLAMA_RULES).

@@ -28,6 +28,7 @@ from .errors import APIError
 from .generation import GenerationRoutes
 from .info_routes import InfoRoutes
 from .lifecycle import DRAINING, READY, STARTING, STOPPED, Lifecycle
+from .lora_routes import LoraRoutes, find_adapter
 from .metrics import ServerMetrics
 from .parsing import read_json
 from .token_routes import TokenRoutes
@@ -45,7 +46,7 @@ _DRAIN_CAP_BYTES = 64 * 1024 * 1024
 _OFFLOAD_CHARS = 65536
 
 
-class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # noqa: N801 - the seed's name
+class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes, LoraRoutes):  # noqa: N801 - the seed's name
     """OpenAI-compatible HTTP server over `vsurge_map` (a vSurge, or {served name: vSurge}).
 
     `max_workers` (the seed's thread pool): threads for the work the server takes off its event loop
@@ -71,6 +72,7 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # 
         drain_timeout_s: float = 300.0,
         owns_engines: bool = True,
         tool_call_parser: str | None = None,
+        lora_runtime_updates: bool = False,
     ) -> None:
         from .tool_parsers import PARSERS
 
@@ -86,6 +88,8 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # 
             )
         # tool_choice "auto": the parser of the model's tool-call format (None: read from the chat template)
         self.tool_call_parser = tool_call_parser
+        # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (lora_routes.py)
+        self.lora_runtime_updates = lora_runtime_updates
         self.models: dict[str, ServedModel] = {}
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
@@ -122,6 +126,8 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # 
             Route("/v1/models", self.available_inference, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/v1/count_tokens", self.count_tokens, methods=["POST"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
@@ -179,7 +185,7 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes):  # 
             if not self.models:
                 raise errors.model_not_found("")
             return next(iter(self.models.values()))
-        entry = self.models.get(name)
+        entry = self.models.get(name) or find_adapter(self.models, name)  # a base model, or an adapter
         if entry is None:
             raise errors.model_not_found(name)
         return entry

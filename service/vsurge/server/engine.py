@@ -63,6 +63,8 @@ class ServedModel:
     load_seconds: float | None = None
     # where the weights came from (vLLM's model card `root`: the path or hub id); the name when unknown
     root: str | None = None
+    # a LoRA adapter's entry (lora_routes.py): the base model's name (None: a base model)
+    parent: str | None = None
 
 
 def _vocab_size(surge: ServedEngine) -> int | None:
@@ -100,7 +102,7 @@ def _model_card(m: ServedModel) -> dict[str, Any]:
         "created": m.created,
         "owned_by": "vsurge",
         "root": m.root or m.name,
-        "parent": None,
+        "parent": m.parent,
         "max_model_len": m.max_length,
         "permission": [
             {

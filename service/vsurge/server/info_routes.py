@@ -15,6 +15,7 @@ from .engine import _error_response, _model_card
 from .errors import APIError
 from .lifecycle import READY
 from .load import load_report
+from .lora_routes import listed_adapters
 from .metrics import CONTENT_TYPE
 from .route_helpers import answers_api_errors
 
@@ -29,7 +30,8 @@ class InfoRoutes:
         """GET /v1/models (called in Python without a request, as the seed's is: no auth to check)."""
         if request is not None:
             self._check_auth(request)
-        return JSONResponse({"object": "list", "data": [_model_card(m) for m in self.models.values()]})
+        models = [*self.models.values(), *listed_adapters(self.models)]  # adapters: parent = their base
+        return JSONResponse({"object": "list", "data": [_model_card(m) for m in models]})
 
     @answers_api_errors
     async def get_model(self, request: Request) -> Response:

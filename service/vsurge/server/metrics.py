@@ -322,6 +322,18 @@ class ServerMetrics:
             ["model", "driver", "attention", "decode_steps", "backend"],
             registry=r,
         )
+        self.lora_requests = Counter(
+            "vsurge_lora_requests_total",
+            "Finished samples of requests for a LoRA adapter, by base model and adapter.",
+            ["model", "adapter"],
+            registry=r,
+        )
+        self.lora_tokens = Counter(
+            "vsurge_lora_generation_tokens_total",
+            "Tokens generated for requests of a LoRA adapter, by base model and adapter.",
+            ["model", "adapter"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "vsurge_http_requests_in_flight", "Generation requests the server is answering now.", registry=r
         )
@@ -360,6 +372,10 @@ class ServerMetrics:
     # ------------------------------------------------------------------ observations
     def observe(self, model: str, stats: Any) -> None:
         """Called from a driver thread once per finished sample; prometheus_client is thread-safe."""
+        adapter = getattr(stats, "adapter", None)
+        if adapter:  # a LoRA adapter's request: counted per adapter too
+            self.lora_requests.labels(model, adapter).inc()
+            self.lora_tokens.labels(model, adapter).inc(stats.generated_tokens)
         if stats.ttft is not None:
             self.ttft.labels(model).observe(stats.ttft)
         if stats.tpot is not None:

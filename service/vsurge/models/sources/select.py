@@ -1,5 +1,6 @@
 """Which files of a remote listing a model needs: config, tokenizer files, chat template, the safetensors
-weights and their index, or one named ``.gguf`` file. Nothing else is downloaded."""
+weights and their index, or one named ``.gguf`` file; a PEFT LoRA adapter's config and weights. Nothing else
+is downloaded."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def select_files(source: str, files: Sequence[RemoteFile], prefix_is_file: bool 
     top = {f.name: f for f in files if "/" not in f.name}
     if not files:
         raise ModelSourceError(source, "nothing found there (no objects under this prefix)", "not_found")
+    if "adapter_config.json" in top:  # a PEFT LoRA adapter (models/peft_adapter.py)
+        if "adapter_model.safetensors" not in top:
+            raise ModelSourceError(source, "adapter_config.json but no adapter_model.safetensors", "invalid")
+        return [top["adapter_config.json"], top["adapter_model.safetensors"]]
     weights = sorted(n for n in top if n.endswith(".safetensors"))
     ggufs = sorted(n for n in top if n.endswith(".gguf"))
     if "config.json" in top:
