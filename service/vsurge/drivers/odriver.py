@@ -39,6 +39,7 @@ from ..engines.paging import page_hashes
 from .active_request import ActiveRequest
 from .lanes import Abort, FirstToken, Preempt, Prepared
 from .metrics import DriverMetrics
+from .paged_grammars import PagedGrammars
 from .pipeline import Lane, Pipeline, StepLoop, drain
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class PagedSteps:
         self._loop: StepLoop | None = None
         self._chunks: list[Chunk] = []  # planned for the next step
         self._firsts: list[tuple[Chunk, Any]] = []  # final chunks of the step just dispatched
+        # structured output: matchers and token masks of the constrained sequences (paged_grammars.py)
+        self.grammars = PagedGrammars(self.pipeline, self.engine, self.sched)
 
     # ------------------------------------------------------------------ Stepper
     def init_state(self) -> Any:
@@ -118,7 +121,10 @@ class PagedSteps:
             tokens = seq.tokens[c.start : c.start + c.length]
             work.append(ChunkWork(tokens, c.start, sched.row(seq), seq.slot, seq.inputs if c.final else None))
         try:
-            state, out, firsts = eng.step(state, self._table, active, work)
+            if self.grammars.wanted(chunks):  # the forward, the masks while it runs, then the samplers
+                state, out, firsts = self.grammars.step(state, self._table, active, chunks, work)
+            else:
+                state, out, firsts = eng.step(state, self._table, active, work)
         except Exception as e:
             if not chunks or any(x.is_deleted() for x in jax.tree.leaves(state)):
                 raise  # the pipeline fails everything running and restarts the cache
@@ -147,6 +153,7 @@ class PagedSteps:
     def lose_state(self, reason: str) -> Any:
         """A device step consumed the state and failed: every running sequence fails, the cache restarts."""
         self._version, self._chunks, self._firsts = -1, [], []
+        self.grammars.reset()
         for seq in self.sched.reset():
             self.pipeline.fail(seq.req, reason)
             seq.req.cancel()
@@ -157,16 +164,21 @@ class PagedSteps:
 
     # ------------------------------------------------------------------ planning
     def _take_arrivals(self, wait: float = 0.0) -> None:
-        sched = self.sched
+        sched, grammars = self.sched, self.grammars
+        # constrained requests that waited for the structured-output programs, ahead of new arrivals
+        for seq in reversed(grammars.ready()):
+            sched.add(seq, front=True)
         for seq in reversed(drain(self.requeue)):  # recomputes go first, in the order they were preempted
             sched.add(seq, front=True)
         # prepared requests wait in the bounded backlog, not here, so the queues stay bounded
-        while len(sched.waiting) < sched.num_slots:
+        while len(sched.waiting) + grammars.num_held < sched.num_slots:
             try:
                 item = self.lane.backlog.get(timeout=wait) if wait else self.lane.backlog.get_nowait()
             except queue.Empty:
                 break
             wait = 0.0
+            if grammars.hold(item):  # until the masked programs are compiled
+                continue
             for seq in item.seqs:
                 sched.add(seq)
 
@@ -182,6 +194,8 @@ class PagedSteps:
                 aborted[id(seq.req)] = seq.req
         for seq in sched.drop_waiting(lambda s: s.req.cancelled or s.req.error is not None):
             aborted[id(seq.req)] = seq.req
+        for req in self.grammars.drop_cancelled():
+            aborted[id(req)] = req
         for req in aborted.values():
             loop.send(Abort(req))
 
@@ -197,6 +211,8 @@ class PagedSteps:
 class oDriver:  # noqa: N801 - the seed's name
     """Continuous batching over one oEngine: the pipeline's request lifecycle (submit, cancel, fail alone,
     graceful stop, metrics) with paged KV, prefix caching and preemption."""
+
+    supports_structured_output = True  # token masks in PagedGrammars (paged_grammars.py)
 
     def __init__(
         self,
@@ -259,7 +275,8 @@ class oDriver:  # noqa: N801 - the seed's name
         m, sched, mgr = self.pipeline.metrics, self._sched, self._engine.manager
         used, total = self.num_used_slots, self.get_total_concurrent_requests()
         queued = self.pipeline.prefill_q.qsize()
-        backlog = self._lane.backlog.qsize() + len(sched.waiting) + self._requeue.qsize()
+        held = self._steps.grammars.num_held  # constrained, waiting for the masked programs
+        backlog = self._lane.backlog.qsize() + len(sched.waiting) + self._requeue.qsize() + held
         waiting = queued + backlog
         return DriverMetrics(
             slots_used=used,
@@ -306,6 +323,7 @@ class oDriver:  # noqa: N801 - the seed's name
         for seq in list(self._sched.waiting) + self._sched.running + drain(self._requeue):
             self.pipeline.finish(seq.req, "abort")
         self._sched.waiting.clear()
+        self._steps.grammars.abort_held(self.pipeline.finish)
         self._sched.reset()
 
     # ------------------------------------------------------------------ sequences
