@@ -398,7 +398,8 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
             if token_mask is None:
                 state, out = self._sample[rows](state, dec_logits)
             else:
-                mask = np.ascontiguousarray(token_mask[:rows], np.int32)
+                # a copy: jit reads a numpy argument in place, after dispatch (the driver refills its mask)
+                mask = np.array(token_mask[:rows], np.int32)
                 samplers, out = self._sample_masked[rows](sampler_rows(state), dec_logits, mask)
                 state = with_rows(state, samplers)
         firsts = []
