@@ -101,13 +101,19 @@ class PagedGrammars:
 
     # ------------------------------------------------------------------ steps
     def wanted(self, chunks: Sequence[Chunk]) -> bool:
-        """Whether the next step needs masks: a constrained sequence runs, or one's final chunk is in it."""
+        """Whether the next step needs masks: a constrained sequence runs, or one's final chunk is in it.
+        Drops the matchers of the sequences the scheduler let go since (finished, cancelled, preempted)."""
+        for slot, seq in list(self.seqs.items()):
+            if not self.sched.holds(seq):
+                del self.seqs[slot]
+                self.slots.release(slot)
         return bool(self.seqs) or any(c.final and grammar_of(c.seq.req) is not None for c in chunks)
 
     def step(
         self, state: Any, table: Any, active: np.ndarray, chunks: Sequence[Chunk], work: list[ChunkWork]
     ) -> tuple[Any, Any, list[tuple[int, Any]]]:
-        """One step under the masks: the forward, then (while it runs) the masks, then the samplers."""
+        """One step under the masks (after `wanted`): the forward, then (while it runs) the masks, then
+        the samplers."""
         eng = self.engine
         state, logits = eng.step_logits(state, table, active, work)
         mask = self._decode_mask()
@@ -123,10 +129,6 @@ class PagedGrammars:
     def _decode_mask(self) -> np.ndarray | None:
         """Each constrained decoding row's matcher advanced by its last token and its mask row filled
         (the mask of every slot); None when no constrained sequence decodes."""
-        for slot, seq in list(self.seqs.items()):
-            if not self.sched.holds(seq):  # finished, cancelled or preempted since
-                del self.seqs[slot]
-                self.slots.release(slot)
         if not any(seq.decoding for seq in self.seqs.values()):
             return None
         for slot, reason in self.slots.prepare():
