@@ -17,6 +17,9 @@ waits for a whole prompt. Step n+1 is dispatched before step n's tokens are read
 A preempted sequence's tokens are known only to the detokenize thread (the device runs ahead), so the step
 thread hands it there after every step that included it; the detokenizer, which then has every token the
 sequence produced, queues its recompute (prompt + those tokens, same sampler key and step).
+
+Structured output (grammars): a step with a constrained sequence runs the forward, fills the token masks
+while it runs and then samples under them; steps without one are unchanged (paged_grammars.py).
 """
 
 from __future__ import annotations
