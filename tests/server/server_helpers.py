@@ -34,6 +34,42 @@ def make_surge(model_dir: str, **kw):
     )
 
 
+def make_odriver_surge(model_dir: str, **kw):
+    """The suite's lengths on the paged driver, with few programs to compile: 4 slots (one row bucket),
+    pages of 16 tokens, 64 tokens a step."""
+    import vsurge
+    from vsurge.surge import vSurge
+
+    model, processor = vsurge.load_model(model_dir)
+    return vSurge.create_odriver(
+        model,
+        processor,
+        max_concurrent_decodes=4,
+        prefill_lengths=PREFILL_LENGTHS,
+        max_length=MAX_LENGTH,
+        page_size=16,
+        vsurge_name=MODEL,
+        max_queue_size=MAX_QUEUE,
+        **{"max_num_batched_tokens": 64, **kw},
+    )
+
+
+def serve_surge(surge, timeout: float = 600):
+    """A real server (uvicorn on loopback, warmed up) over ``surge``, which it owns: stop() stops both."""
+    from vsurge.server import start, vSurgeApiServer
+
+    running = start(
+        vSurgeApiServer({MODEL: surge}),
+        host="127.0.0.1",
+        port=0,
+        metrics_port=-1,
+        warm_up=True,
+        progress=None,
+    )
+    running.wait_ready(timeout)
+    return running
+
+
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
     """Poll until predicate() is truthy; returns its value or fails with the last one."""
     deadline = time.monotonic() + timeout

@@ -1,8 +1,9 @@
 """Structured output and tool calling through the real server and the official openai client, on the tiny
-random model (constraint correctness needs no smart model): regex and choice under temperature 1.0 with
-seeds, JSON schemas that always validate, a tool round trip (required and a named function), streamed ==
-non-streamed for the same seed, a half-constrained batch whose free half is untouched, and bad input as 400s
-naming the field, before anything reaches the engine."""
+random model (constraint correctness needs no smart model), on each driver (the suite's vdriver server, and
+a paged odriver one over the same checkpoint): regex and choice under temperature 1.0 with seeds, ending
+with "stop" as soon as the grammar is complete, JSON schemas that always validate, a tool round trip
+(required and a named function), streamed == non-streamed for the same seed, a half-constrained batch whose
+free half is untouched, and bad input as 400s naming the field, before anything reaches the engine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from server_helpers import MODEL
+from server_helpers import MODEL, make_odriver_surge, serve_surge
 
 USER = [{"role": "user", "content": "Tell me something."}]
 SCHEMA = {
@@ -54,10 +55,26 @@ TIME = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(base_url, surge):
+@pytest.fixture(scope="module", params=["vdriver", "odriver"])
+def served(request, tiny_dir):
+    """(client, surge) per driver: the suite's vdriver server, or an odriver server of the same shapes."""
+    if request.param == "vdriver":
+        surge, base_url = request.getfixturevalue("surge"), request.getfixturevalue("base_url")
+        running = None
+    else:
+        surge = make_odriver_surge(tiny_dir)
+        running = serve_surge(surge)
+        base_url = f"{running.url}/v1"
+    assert surge.supports_structured_output
     surge.warm_structured()  # else the first constrained request waits for it
-    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    yield openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300), surge
+    if running is not None:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return served[0]
 
 
 def chat(client, **kw):
@@ -72,7 +89,8 @@ def test_regex_and_choice_hold_under_temperature(client):
     out = chat(client, temperature=1.0, seed=11, n=4, extra_body={"structured_outputs": {"regex": pattern}})
     for c in out.choices:
         assert re.fullmatch(pattern, c.message.content), c.message.content
-        assert c.finish_reason == "stop"
+        assert c.finish_reason == "stop"  # the grammar completes long before max_tokens
+    assert out.usage.completion_tokens < 4 * 20  # at most 12 characters each, of 100 allowed
     options = ["red", "green", "blue sky"]
     for seed in (1, 2, 3):
         out = chat(client, temperature=1.0, seed=seed, extra_body={"structured_outputs": {"choice": options}})
@@ -226,7 +244,8 @@ BAD = [
 
 
 @pytest.mark.parametrize(("kw", "param"), BAD)
-def test_bad_input_is_a_400_naming_the_field(client, surge, kw, param):
+def test_bad_input_is_a_400_naming_the_field(served, kw, param):
+    client, surge = served
     before = surge.metrics().prompt_tokens_total
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, **kw)

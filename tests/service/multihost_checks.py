@@ -26,8 +26,8 @@ REGEX = r"[0-9]{3}-[a-z]{2,5}"
 
 def run_requests(group: Group, structured: bool = True) -> dict[str, object]:
     """Every request of the feature matrix, one after another (each alone in its steps, so the same
-    programs run in one process and in a group); returns what each produced. ``structured``: the driver
-    has structured output (vdriver; oDriver answers 400 in one process and in a group alike)."""
+    programs run in one process and in a group); returns what each produced. ``structured``: send the
+    regex request too (both drivers have structured output)."""
     c = client(group)
     out: dict[str, object] = {}
 

@@ -253,6 +253,47 @@ def test_mixed_steps_verify_steps_and_masked_steps_replay_exactly(tiny):
     pair.lane.close()
 
 
+def test_paged_masked_steps_replay_exactly(tiny):
+    """oDriver's structured step through the lane as the driver calls it: step_logits, then step_sample
+    with a constrained final chunk's first-token mask, then a decode step under the rows' mask; the
+    worker's state after each is the leader's, and the tokens keep to their masks."""
+    from vsurge.engines.mixed_step import ChunkWork
+
+    model, tok, _ = tiny
+    pair = Pair(model, tok)
+    pair.start_worker()
+    proxy = pair.engine(driver="odriver", page_size=16, max_num_batched_tokens=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = PROMPTS[1]
+    inputs = proxy.seq_inputs(greedy, [], np.array([7, 9], np.uint32), prompt)
+    width = proxy.table_width
+    row = np.zeros(width, np.int32)
+    row[0] = 1  # the prompt's page (page 0 is scratch)
+    table = np.zeros((2, width), np.int32)
+    table[0] = row
+    words = -(-model.config.vocab_size // 32)
+    first_mask = np.zeros((1, words), np.int32)
+    first_mask[0, 0] = 0b10100  # only ids 2 and 4
+    chunk = ChunkWork(np.asarray(prompt, np.int32), 0, row, 0, inputs, token_mask=first_mask)
+    state = proxy.init_decode_state()
+    none = np.zeros(0, bool)
+    state, logits = proxy.step_logits(state, table, none, [chunk])
+    state, out, firsts = proxy.step_sample(state, logits, none, [chunk])
+    _same_on_the_worker(pair, (state, firsts))
+    assert out is None and int(np.asarray(firsts[0][1].tokens)[0]) in (2, 4)
+
+    active = np.array([True])
+    state, logits = proxy.step_logits(state, table, active)
+    mask = np.full((2, words), -1, np.int32)
+    mask[0] = 0
+    mask[0, 0] = 0b1010  # only ids 1 and 3
+    state, out, _ = proxy.step_sample(state, logits, active, [], mask)
+    _same_on_the_worker(pair, (state, out))
+    assert int(np.asarray(out.tokens)[0]) in (1, 3)
+    assert not pair.exits
+    pair.lane.close()
+
+
 def test_decode_blocks_cross_the_lane_and_replay_exactly(tiny):
     """decode_block (K decode steps in one program) is a lane method: the worker's state after a block is
     the leader's, and its tokens are the single steps' (the reference)."""

@@ -17,6 +17,8 @@ import vsurge
 from vsurge.engines.dense_warmup import program_jobs as dense_jobs
 from vsurge.engines.oengine import oEngine
 from vsurge.engines.paged_programs import program_jobs as paged_jobs
+from vsurge.engines.paged_programs import sampler_rows
+from vsurge.engines.paged_structured import structured_jobs as paged_structured_jobs
 from vsurge.engines.program_inventory import programs, state_spec
 from vsurge.engines.vengine import vEngine
 from vsurge.models.config import ModelConfig
@@ -70,8 +72,8 @@ def _lowered(fn, args) -> str:
 @pytest.mark.parametrize("cls", [vEngine, oEngine])
 def test_the_inventory_lowers_as_the_engine_calls(tiny, cls):
     """Each program on the inventory's abstract arguments lowers to the module of the engine's own call:
-    compile()'s job list on the allocated state, and (vEngine) insert and the first-token samplers on
-    a prefix a real prefill returned."""
+    compile()'s job list on the allocated state, (oEngine) warm_structured's masked programs, and
+    (vEngine) insert and the first-token samplers on a prefix a real prefill returned."""
     model, tok = vsurge.load_model(tiny[0])
     engine = cls(model, tok, **SMALL)
     inventory = {p.name: p for p in programs(engine)}
@@ -82,9 +84,13 @@ def test_the_inventory_lowers_as_the_engine_calls(tiny, cls):
             SamplingParams(temperature=0.0, max_tokens=1), [], np.zeros(2, np.uint32), [0]
         )
         table = jax.device_put(np.zeros((engine.max_concurrent_decodes, engine.table_width), np.int32), rep)
-        real = paged_jobs(
-            engine, state, inputs, table, lambda shape, dt: jax.device_put(np.zeros(shape, dt), rep)
-        )
+        place = lambda shape, dt: jax.device_put(np.zeros(shape, dt), rep)  # noqa: E731
+        real = paged_jobs(engine, state, inputs, table, place)
+        # what warm_structured adds: the masked samplers and seat, on the state less its pages
+        v = engine.config.vocab_size
+        dec = [place((r, v), np.float32) for r in engine.step_rows]
+        pf = [place((engine.step_seqs, v), np.float32)]
+        real += paged_structured_jobs(engine, sampler_rows(state), dec, pf, inputs)
     else:
         real = dense_jobs(engine, state)
         prefix = engine.prefill([1, 2, 3])

@@ -256,7 +256,13 @@ MUST = {
         "insert from prefill bucket N",
     },
     "vdriver+features": {"decode slots=N", "verify slots=N k=N", "mixed slots=N chunks=NxN"},
-    "odriver": {"step rows=N + 0 chunk tokens", "step rows=N + N chunk tokens", "seat after a chunk"},
+    "odriver": {
+        "step rows=N + 0 chunk tokens",
+        "step rows=N + N chunk tokens",
+        "seat after a chunk",
+        "masked sampler slots=N",
+        "masked seat after a chunk",
+    },
 }
 
 

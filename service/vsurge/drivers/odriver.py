@@ -17,6 +17,9 @@ waits for a whole prompt. Step n+1 is dispatched before step n's tokens are read
 A preempted sequence's tokens are known only to the detokenize thread (the device runs ahead), so the step
 thread hands it there after every step that included it; the detokenizer, which then has every token the
 sequence produced, queues its recompute (prompt + those tokens, same sampler key and step).
+
+Structured output (grammars): a step with a constrained sequence runs the forward, fills the token masks
+while it runs and then samples under them; steps without one are unchanged (paged_grammars.py).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .active_request import ActiveRequest
 from .lanes import Abort, FirstToken, Preempt, Prepared
 from .lora_adapters import adapters_for, left, lora_figures, pin_request, submit_request
 from .metrics import DriverMetrics
+from .paged_grammars import PagedGrammars
 from .pipeline import Lane, Pipeline, StepLoop, drain
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,8 @@ class PagedSteps:
         self._loop: StepLoop | None = None
         self._chunks: list[Chunk] = []  # planned for the next step
         self._firsts: list[tuple[Chunk, Any]] = []  # final chunks of the step just dispatched
+        # structured output: matchers and token masks of the constrained sequences (paged_grammars.py)
+        self.grammars = PagedGrammars(self.pipeline, self.engine, self.sched)
 
     # ------------------------------------------------------------------ Stepper
     def init_state(self) -> Any:
@@ -118,9 +124,14 @@ class PagedSteps:
                 seq.req.metadata.prefill_started_at = now
             tokens = seq.tokens[c.start : c.start + c.length]
             inputs = seq.inputs if c.final else None
-            work.append(ChunkWork(tokens, c.start, sched.row(seq), seq.slot, inputs, seq.req.adapter_slot))
+            work.append(
+                ChunkWork(tokens, c.start, sched.row(seq), seq.slot, inputs, adapter=seq.req.adapter_slot)
+            )
         try:
-            state, out, firsts = eng.step(state, self._table, active, work)
+            if self.grammars.wanted(chunks):  # the forward, the masks while it runs, then the samplers
+                state, out, firsts = self.grammars.step(state, self._table, active, chunks, work)
+            else:
+                state, out, firsts = eng.step(state, self._table, active, work)
         except Exception as e:
             if not chunks or any(x.is_deleted() for x in jax.tree.leaves(state)):
                 raise  # the pipeline fails everything running and restarts the cache
@@ -149,6 +160,7 @@ class PagedSteps:
     def lose_state(self, reason: str) -> Any:
         """A device step consumed the state and failed: every running sequence fails, the cache restarts."""
         self._version, self._chunks, self._firsts = -1, [], []
+        self.grammars.reset()
         for seq in self.sched.reset():
             self.pipeline.fail(seq.req, reason)
             seq.req.cancel()
@@ -159,16 +171,21 @@ class PagedSteps:
 
     # ------------------------------------------------------------------ planning
     def _take_arrivals(self, wait: float = 0.0) -> None:
-        sched = self.sched
+        sched, grammars = self.sched, self.grammars
+        # constrained requests that waited for the structured-output programs, ahead of new arrivals
+        for seq in reversed(grammars.ready()):
+            sched.add(seq, front=True)
         for seq in reversed(drain(self.requeue)):  # recomputes go first, in the order they were preempted
             sched.add(seq, front=True)
         # prepared requests wait in the bounded backlog, not here, so the queues stay bounded
-        while len(sched.waiting) < sched.num_slots:
+        while len(sched.waiting) + grammars.num_held < sched.num_slots:
             try:
                 item = self.lane.backlog.get(timeout=wait) if wait else self.lane.backlog.get_nowait()
             except queue.Empty:
                 break
             wait = 0.0
+            if grammars.hold(item):  # until the masked programs are compiled
+                continue
             for seq in item.seqs:
                 sched.add(seq)
 
@@ -184,6 +201,8 @@ class PagedSteps:
                 aborted[id(seq.req)] = seq.req
         for seq in sched.drop_waiting(lambda s: s.req.cancelled or s.req.error is not None):
             aborted[id(seq.req)] = seq.req
+        for req in self.grammars.drop_cancelled():
+            aborted[id(req)] = req
         for req in aborted.values():
             loop.send(Abort(req))
 
@@ -199,6 +218,8 @@ class PagedSteps:
 class oDriver:  # noqa: N801 - the seed's name
     """Continuous batching over one oEngine: the pipeline's request lifecycle (submit, cancel, fail alone,
     graceful stop, metrics) with paged KV, prefix caching and preemption."""
+
+    supports_structured_output = True  # token masks in PagedGrammars (paged_grammars.py)
 
     def __init__(
         self,
@@ -265,7 +286,8 @@ class oDriver:  # noqa: N801 - the seed's name
         m, sched, mgr = self.pipeline.metrics, self._sched, self._engine.manager
         used, total = self.num_used_slots, self.get_total_concurrent_requests()
         queued = self.pipeline.prefill_q.qsize()
-        backlog = self._lane.backlog.qsize() + len(sched.waiting) + self._requeue.qsize()
+        held = self._steps.grammars.num_held  # constrained, waiting for the masked programs
+        backlog = self._lane.backlog.qsize() + len(sched.waiting) + self._requeue.qsize() + held
         waiting = queued + backlog
         return DriverMetrics(
             slots_used=used,
@@ -315,6 +337,7 @@ class oDriver:  # noqa: N801 - the seed's name
         for seq in list(self._sched.waiting) + self._sched.running + drain(self._requeue):
             self.pipeline.finish(seq.req, "abort")
         self._sched.waiting.clear()
+        self._steps.grammars.abort_held(self.pipeline.finish)
         self._sched.reset()
 
     # ------------------------------------------------------------------ sequences

@@ -285,3 +285,15 @@ def compile_jobs(jobs: Sequence[tuple[str, Any, tuple]], say: Callable[[str], No
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for line in pool.map(build, jobs):
             say(line)
+
+
+def resolve_token_budget(budget: int | None, slots: int) -> int:
+    """Tokens per step (decode rows + chunk tokens): the given budget, else 256 or 2 x slots if more."""
+    if budget is None:
+        return max(256, 2 * slots)
+    if budget <= slots:
+        raise ValueError(
+            f"max_num_batched_tokens {budget} leaves no prefill tokens once {slots} slots decode: "
+            "raise it above max_concurrent_decodes"
+        )
+    return budget

@@ -36,6 +36,8 @@ class ChunkWork(NamedTuple):
     slot: int  # the decode slot the sequence is seated in after its final chunk
     inputs: Any = None  # SeqInputs for a final chunk (its first token is sampled); None otherwise
     adapter: int = -1  # the sequence's LoRA bank slot (-1: the base model)
+    # structured output: i32[1, ceil(V/32)], the allowed first tokens of a final chunk (None: any)
+    token_mask: Any = None
 
     @property
     def final(self) -> bool:
@@ -145,6 +147,7 @@ def mixed_forward(
     return tuple(pages), dec_logits, model.compute_logits(hidden[last])
 
 
-def seat_chunk(state, logits, k, slot, length, inputs, *, seat):
-    """Sample the token after chunk ``k`` of a step and seat its sequence (``seat``: oEngine's)."""
-    return seat(state, logits[k], slot, length, inputs)
+def seat_chunk(state, logits, k, slot, length, inputs, token_mask=None, *, seat):
+    """Sample the token after chunk ``k`` of a step and seat its sequence (``seat``: oEngine's), under
+    ``token_mask`` when given (structured output)."""
+    return seat(state, logits[k], slot, length, inputs, token_mask)

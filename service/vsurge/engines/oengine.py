@@ -4,7 +4,9 @@ Jitted programs, each taking the pages (or the whole decode state) donated so th
 
 * the mixed step (what oDriver runs; mixed_step.py): every decoding row plus prefill chunks of up to
   ``step_seqs`` sequences within ``max_num_batched_tokens``, one forward per (rows, chunk tokens) bucket,
-  then the sampler for the rows and ``seat`` for each final chunk (`step`);
+  then the sampler for the rows and ``seat`` for each final chunk (`step`); a step with a constrained
+  row (structured output) runs in two halves, `step_logits` then `step_sample` under the token masks,
+  whose masked programs `warm_structured` compiles on first need (paged_structured.py);
 
 The per-sequence programs below remain for direct use (``prefill_chunk`` / ``decode``; compiled on first
 call unless ``legacy_programs`` is set before ``compile()``):
@@ -23,54 +25,44 @@ in ``compile()``. Which pages a sequence gets, and when, is decided on the host 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..engine_config import DEFAULT_SEED, EngineConfig
-from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
 from ..models.pallas_sharded import configure as configure_attention
 from ..sampling_params import SamplingParams
 from ..seed_args import ENGINE_ARGS, default, seed_engine_config
-from .engine_base import EngineBase, _doubling, compile_jobs, decode_buckets
+from .engine_base import EngineBase, _doubling, compile_jobs, decode_buckets, resolve_token_budget
 from .host_arrays import put_host
 from .kernel_fallback import compile_with_fallback
 from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
-from .paged_programs import program_jobs, step_metas
+from .paged_programs import (
+    PagedState,
+    SeqInputs,
+    forward_impl,
+    prefill_impl,
+    program_jobs,
+    sampler_rows,
+    step_metas,
+    with_rows,
+)
 from .paged_seat import first_of_chunk, place, seat
+from .paged_structured import StructuredSpecs, masked_programs, warm_structured
 from .paging import HBMPageManager, PagedAttentionCache
 from .sampling import DEFAULT_MAX_STOP_IDS, SampleResult, SlotSampling, make_slot_sampling
 from .seed_layer import seed_forms
 from .seed_paged import PagedSeedLayer
 
 log = logging.getLogger(__name__)
-
-
-class PagedState(NamedTuple):
-    pages: tuple  # per layer (K, V) [num_pages + 1, page_size, kv_heads, head_dim] (see PagedAttentionCache)
-    tokens: jax.Array  # i32[S] the token each slot feeds to its next decode step
-    positions: jax.Array  # i32[S] where that token goes
-    steps: jax.Array  # i32[S] the sampler's per-request step counter
-    counts: jax.Array  # i32[S, V] generated-token counts (penalties)
-    prompt_mask: jax.Array  # bool[S, V]
-    sampling: SlotSampling
-
-
-class SeqInputs(NamedTuple):
-    """What sampling a sequence's first token needs; prepared on the device off the generate thread."""
-
-    sampling: SlotSampling  # one row, carrying the sample's key
-    prompt_mask: jax.Array  # bool[V]: tokens of the original prompt
-    counts: jax.Array  # i32[V]: tokens generated before a preemption (zeros for a new request)
-    step: jax.Array  # i32[]: the sampler step of the token sampled after this prefill
 
 
 # Prefill chunks one mixed step packs at most (more sequences per step would multiply the chunk walk's
@@ -83,56 +75,9 @@ def step_token_buckets(budget: int, smallest: int = 32) -> list[int]:
     return [0] + _doubling(min(smallest, budget), budget)
 
 
-def resolve_token_budget(budget: int | None, slots: int) -> int:
-    """Tokens per step (decode rows + chunk tokens): the given budget, else 256 or 2 x slots if more."""
-    if budget is None:
-        return max(256, 2 * slots)
-    if budget <= slots:
-        raise ValueError(
-            f"max_num_batched_tokens {budget} leaves no prefill tokens once {slots} slots decode: "
-            "raise it above max_concurrent_decodes"
-        )
-    return budget
-
-
 def page_buckets(max_length: int, page_size: int, smallest_tokens: int = 128) -> list[int]:
     """How many page-table columns a step may read: the pages of vEngine's kv_len buckets."""
     return sorted({-(-n // page_size) for n in decode_buckets(max_length, smallest_tokens)})
-
-
-def _prefill_impl(graphdef, params, pages, tokens, start, length, row, *, page_size: int, num_pages: int):
-    """One chunk into its pages; returns the pages and the logits at the chunk's last valid token."""
-    model = nnx.merge(graphdef, params)
-    t = tokens.shape[0]
-    positions = (start + jnp.arange(t, dtype=jnp.int32))[None]
-    backend = PagedPrefillAttention(page_size, num_pages, window=model.config.sliding_window)
-    hidden, pages = model(tokens[None], positions, backend, pages, (positions, length, row))
-    last = jax.lax.dynamic_index_in_dim(hidden[0], length - start - 1, keepdims=False)
-    return tuple(pages), model.compute_logits(last)
-
-
-def _forward_impl(
-    graphdef,
-    params,
-    pages,
-    tokens,
-    positions,
-    table,
-    *,
-    rows: int,
-    page_size: int,
-    num_pages: int,
-    logits_sharding,
-):
-    """The model over the first ``rows`` slots reading ``num_pages`` page columns (cf. vEngine's forward)."""
-    model = nnx.merge(graphdef, params)
-    backend = PagedDecodeAttention(page_size, num_pages, window=model.config.sliding_window)
-    pos = positions[:rows]
-    hidden, pages = model(tokens[:rows, None], pos[:, None], backend, pages, (pos, table[:rows]))
-    logits = model.compute_logits(hidden[:, 0])
-    if logits_sharding is not None:
-        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    return tuple(pages), logits
 
 
 @seed_forms  # the seed's decode beside ours, forward, prefill / insert, free_resource (seed_paged.py)
@@ -209,6 +154,8 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         self.chunked = self._make_chunked()  # prompt logprobs only (prefill itself is paged)
         self._zeros_v: jax.Array | None = None
         self._spare: PagedState | None = None
+        self.structured_ready = threading.Event()  # warm_structured has run (paged_structured.py)
+        self._structured_specs: StructuredSpecs | None = None  # what it compiles for, seen by compile()
         self.compiled = False
 
     def _make_programs(self) -> None:
@@ -220,7 +167,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         # the model programs are per shape; the sampler is compiled once per row count (it dominates
         # compile time), and seating a sequence once in all
         self._prefill = {
-            n: jax.jit(partial(_prefill_impl, self.graphdef, page_size=ps, num_pages=n), donate_argnums=(1,))
+            n: jax.jit(partial(prefill_impl, self.graphdef, page_size=ps, num_pages=n), donate_argnums=(1,))
             for n in self.page_buckets
         }
         self._seat = jax.jit(
@@ -230,7 +177,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         self._forward = {
             (rows, n): jax.jit(
                 partial(
-                    _forward_impl,
+                    forward_impl,
                     self.graphdef,
                     rows=rows,
                     page_size=ps,
@@ -259,6 +206,8 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         # the seed layer's prefill / insert (seed_prefix.py): the seat's two parts apart; first call compiles
         self._first = jax.jit(partial(first_of_chunk, num_top=num_top_logprobs, shardings=shardings))
         self._place = jax.jit(partial(place, shardings=shardings), donate_argnums=(0,))
+        # structured output: the samplers under token masks, compiled by warm_structured only
+        self._sample_masked, self._seat_masked = masked_programs(self)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -396,27 +345,18 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         decodes) and, per final chunk (by index in ``chunks``), the first token sampled after it; that
         sequence is seated in its slot and decodes from the next step on.
         """
-        state, out, pf_logits = self.run_mixed(state, table, active, chunks)
-        firsts = []
-        for k, c in enumerate(chunks):
-            if c.final:
-                end = np.int32(c.start + len(c.tokens))
-                state, first = self._seat_chunk(
-                    state, pf_logits, np.int32(k), np.int32(c.slot), end, c.inputs
-                )
-                firsts.append((k, first))
-        return state, out, firsts
+        state, logits = self.step_logits(state, table, active, chunks)
+        return self.step_sample(state, logits, active, chunks)
 
-    def run_mixed(
+    def step_logits(
         self,
         state: PagedState,
         table: jax.Array | np.ndarray,
         active: np.ndarray,
         chunks: Sequence[ChunkWork] = (),
-    ) -> tuple[PagedState, SampleResult | None, jax.Array | None]:
-        """`step` without seating: the forward and the decode rows' sampler. Returns the state, the decode
-        rows' result (None if none decodes) and the logits at each chunk's last token ([step_seqs, V];
-        None without chunks)."""
+    ) -> tuple[PagedState, tuple[jax.Array, jax.Array | None]]:
+        """The first half of `step`: dispatch the forward; returns the state and (decode logits, chunk
+        logits or None) for `step_sample`. A structured step fills its masks in between."""
         num_rows = int(np.flatnonzero(active)[-1]) + 1 if np.any(active) else 0
         rows, tokens = self.step_shape(num_rows, sum(len(c.tokens) for c in chunks))
         mask = np.zeros(rows, np.int32)
@@ -427,9 +367,63 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         pages, dec_logits, pf_logits = fn(
             self.params, state.pages, state.tokens, state.positions, table, meta
         )
-        state, out = state._replace(pages=pages), None
-        if num_rows:
-            state, out = self._sample[rows](state, dec_logits)
+        return state._replace(pages=pages), (dec_logits, pf_logits)
+
+    def step_sample(
+        self,
+        state: PagedState,
+        logits: tuple[jax.Array, jax.Array | None],
+        active: np.ndarray,
+        chunks: Sequence[ChunkWork] = (),
+        token_mask: np.ndarray | None = None,
+    ) -> tuple[PagedState, SampleResult | None, list[tuple[int, SampleResult]]]:
+        """The second half of `step` (same ``active`` and ``chunks``): the decode rows' tokens, under
+        ``token_mask`` (i32[>= rows, ceil(V/32)] host array, unconstrained rows all ones) when given, and
+        each final chunk's first token, under its ``ChunkWork.token_mask`` when set (structured output:
+        the masked programs of paged_structured.py, on the state without its pages)."""
+        (dec_logits, pf_logits), out = logits, None
+        if np.any(active):
+            rows = dec_logits.shape[0]
+            if token_mask is None:
+                state, out = self._sample[rows](state, dec_logits)
+            else:
+                # a copy: jit reads a numpy argument in place, after dispatch (the driver refills its mask)
+                mask = np.array(token_mask[:rows], np.int32)
+                samplers, out = self._sample_masked[rows](sampler_rows(state), dec_logits, mask)
+                state = with_rows(state, samplers)
+        firsts = []
+        for k, c in enumerate(chunks):
+            if c.final:
+                where = (
+                    pf_logits,
+                    np.int32(k),
+                    np.int32(c.slot),
+                    np.int32(c.start + len(c.tokens)),
+                    c.inputs,
+                )
+                if c.token_mask is None:
+                    state, first = self._seat_chunk(state, *where)
+                else:
+                    mask = np.asarray(c.token_mask, np.int32).reshape(1, -1)
+                    samplers, first = self._seat_masked(sampler_rows(state), *where, mask)
+                    state = with_rows(state, samplers)
+                firsts.append((k, first))
+        return state, out, firsts
+
+    def run_mixed(
+        self,
+        state: PagedState,
+        table: jax.Array | np.ndarray,
+        active: np.ndarray,
+        chunks: Sequence[ChunkWork] = (),
+    ) -> tuple[PagedState, SampleResult | None, jax.Array | None]:
+        """`step` without seating (the seed layer's prefill): the forward and the decode rows' sampler.
+        Returns the state, the decode rows' result (None if none decodes) and the logits at each chunk's
+        last token ([step_seqs, V]; None without chunks)."""
+        state, (dec_logits, pf_logits) = self.step_logits(state, table, active, chunks)
+        out = None
+        if np.any(active):
+            state, out = self._sample[dec_logits.shape[0]](state, dec_logits)
         return state, out, pf_logits
 
     # ------------------------------------------------------------------ warm-up
@@ -471,18 +465,27 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         for (r, _n), fn in self._forward.items() if legacy else []:
             pages, logits = fn(self.params, state.pages, state.tokens, state.positions, table)
             state, out = self._sample[r](state._replace(pages=pages), logits)
+        specs = StructuredSpecs()  # what warm_structured compiles for, if it is ever called
         for (r, p), fn in self._mixed.items():  # page rows all scratch: nothing real is written
             pages, dec_logits, pf_logits = fn(
                 self.params, state.pages, state.tokens, state.positions, table, metas[(r, p)]
             )
+            specs.saw(dec_logits if r else None, pf_logits if p else None)
             state = state._replace(pages=pages)
             if r:
                 state, out = self._sample[r](state, dec_logits)
             if p:
                 state, first = self._seat_chunk(state, pf_logits, zero, zero, zero, inputs)
         jax.block_until_ready((first, out))
+        specs.state(state)
+        self._structured_specs = specs
         self.warm_chunked()
         self._spare = state
         self.compiled = True
         say(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.1f}s")
         return time.perf_counter() - t0
+
+    def warm_structured(self, progress: Callable[[str], None] | None = None) -> float:
+        """Compile what structured output adds, on a throwaway state without pages; the driver calls it on
+        a background thread when the first constrained request arrives (paged_structured.py)."""
+        return warm_structured(self, progress)

@@ -1,14 +1,94 @@
-"""oEngine's programs as (name, jitted program, example arguments): what its compile() lowers and compiles
-in parallel, and what engines/program_inventory.py hands to a lowering for TPU (the same list, on
-abstract arguments)."""
+"""oEngine's programs: the decode state's records, the bodies of the per-sequence programs (prefill a chunk,
+seat a sequence, the decode forward), and the programs as (name, jitted program, example arguments): what
+its compile() lowers and compiles in parallel, and what engines/program_inventory.py hands to a lowering
+for TPU (the same list, on abstract arguments)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from ..models.paged_attention import PagedDecodeAttention, PagedPrefillAttention
+from .sampling import SlotSampling
+
+
+class PagedState(NamedTuple):
+    pages: tuple  # per layer (K, V) [num_pages + 1, page_size, kv_heads, head_dim] (see PagedAttentionCache)
+    tokens: jax.Array  # i32[S] the token each slot feeds to its next decode step
+    positions: jax.Array  # i32[S] where that token goes
+    steps: jax.Array  # i32[S] the sampler's per-request step counter
+    counts: jax.Array  # i32[S, V] generated-token counts (penalties)
+    prompt_mask: jax.Array  # bool[S, V]
+    sampling: SlotSampling
+
+
+class SeqInputs(NamedTuple):
+    """What sampling a sequence's first token needs; prepared on the device off the generate thread."""
+
+    sampling: SlotSampling  # one row, carrying the sample's key
+    prompt_mask: jax.Array  # bool[V]: tokens of the original prompt
+    counts: jax.Array  # i32[V]: tokens generated before a preemption (zeros for a new request)
+    step: jax.Array  # i32[]: the sampler step of the token sampled after this prefill
+
+
+class SamplerRows(NamedTuple):
+    """The decode state without its pages: all the samplers read and write. The masked programs of
+    structured output take this (paged_structured.py), so warming them up needs no second KV cache."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    steps: jax.Array
+    counts: jax.Array
+    prompt_mask: jax.Array
+    sampling: SlotSampling
+
+
+def sampler_rows(state: PagedState) -> SamplerRows:
+    return SamplerRows(*state[1:])
+
+
+def with_rows(state: PagedState, rows: SamplerRows) -> PagedState:
+    return PagedState(state.pages, *rows)
+
+
+def prefill_impl(graphdef, params, pages, tokens, start, length, row, *, page_size: int, num_pages: int):
+    """One chunk into its pages; returns the pages and the logits at the chunk's last valid token."""
+    model = nnx.merge(graphdef, params)
+    t = tokens.shape[0]
+    positions = (start + jnp.arange(t, dtype=jnp.int32))[None]
+    backend = PagedPrefillAttention(page_size, num_pages, window=model.config.sliding_window)
+    hidden, pages = model(tokens[None], positions, backend, pages, (positions, length, row))
+    last = jax.lax.dynamic_index_in_dim(hidden[0], length - start - 1, keepdims=False)
+    return tuple(pages), model.compute_logits(last)
+
+
+def forward_impl(
+    graphdef,
+    params,
+    pages,
+    tokens,
+    positions,
+    table,
+    *,
+    rows: int,
+    page_size: int,
+    num_pages: int,
+    logits_sharding,
+):
+    """The model over the first ``rows`` slots reading ``num_pages`` page columns (cf. vEngine's forward)."""
+    model = nnx.merge(graphdef, params)
+    backend = PagedDecodeAttention(page_size, num_pages, window=model.config.sliding_window)
+    pos = positions[:rows]
+    hidden, pages = model(tokens[:rows, None], pos[:, None], backend, pages, (pos, table[:rows]))
+    logits = model.compute_logits(hidden[:, 0])
+    if logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    return tuple(pages), logits
 
 
 def step_metas(engine: Any) -> dict[tuple[int, int], np.ndarray]:

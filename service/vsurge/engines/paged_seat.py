@@ -19,8 +19,11 @@ from .sampling import SampleResult, sample, set_slot
 __all__ = ["first_of_chunk", "first_token", "place", "seat"]
 
 
-def first_token(logits: Any, inputs: Any, *, num_top: int, shardings: Any) -> SampleResult:
-    """The token after a prompt from the logits at its last token (f32[V]); ``inputs`` a SeqInputs."""
+def first_token(
+    logits: Any, inputs: Any, token_mask: Any = None, *, num_top: int, shardings: Any
+) -> SampleResult:
+    """The token after a prompt from the logits at its last token (f32[V]); ``inputs`` a SeqInputs;
+    ``token_mask`` (i32[1, ceil(V/32)]): a structured request's allowed first tokens."""
     with sampling_context(shardings):
         return sample(
             logits[None],
@@ -29,11 +32,13 @@ def first_token(logits: Any, inputs: Any, *, num_top: int, shardings: Any) -> Sa
             inputs.prompt_mask[None],
             inputs.step[None],
             num_top,
+            token_mask=token_mask,
         )
 
 
 def place(state: Any, slot: Any, length: Any, inputs: Any, token: Any, *, shardings: Any) -> Any:
-    """Put the sequence in ``slot`` of the PagedState: it feeds ``token`` (its first, sampled after its
+    """Put the sequence in ``slot`` of the PagedState (or of its `SamplerRows`: nothing here reads the
+    pages): it feeds ``token`` (its first, sampled after its
     ``length`` prompt tokens) at position ``length`` in the next decode step."""
     new = state._replace(
         tokens=state.tokens.at[slot].set(token),
@@ -46,9 +51,20 @@ def place(state: Any, slot: Any, length: Any, inputs: Any, token: Any, *, shardi
     return constrain(new, shardings)
 
 
-def seat(state: Any, logits: Any, slot: Any, length: Any, inputs: Any, *, num_top: int, shardings: Any):
-    """Sample the token after a chunk and seat the sequence in its slot (one shape for every chunk)."""
-    first = first_token(logits, inputs, num_top=num_top, shardings=shardings)
+def seat(
+    state: Any,
+    logits: Any,
+    slot: Any,
+    length: Any,
+    inputs: Any,
+    token_mask: Any = None,
+    *,
+    num_top: int,
+    shardings: Any,
+):
+    """Sample the token after a chunk (under ``token_mask`` if given) and seat the sequence in its slot
+    (one shape for every chunk)."""
+    first = first_token(logits, inputs, token_mask, num_top=num_top, shardings=shardings)
     return place(state, slot, length, inputs, first.tokens[0], shardings=shardings), first
 
 

@@ -10,7 +10,7 @@ any machine, its programs lower as that TPU pod compiles them (tests/service/tes
 vEngine: `dense_warmup.program_jobs` (what compile() compiles in parallel), then what compile() compiles
 by running it once (insert from every prefill shape, a chunked prefill's prefix, the first-token
 samplers) and `dense_warmup.structured_jobs` (what `warm_structured` adds). oEngine:
-`paged_programs.program_jobs`.
+`paged_programs.program_jobs`, then `paged_structured.structured_jobs` (what its `warm_structured` adds).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from .dense_warmup import GREEDY, structured_jobs
 from .dense_warmup import program_jobs as dense_jobs
 from .oengine import PagedState, oEngine
 from .paged_programs import program_jobs as paged_jobs
+from .paged_programs import sampler_rows
+from .paged_structured import structured_jobs as paged_structured_jobs
 from .sampling import DEFAULT_MAX_STOP_IDS, make_slot_sampling
 from .vengine import GenerationState
 
@@ -157,9 +159,9 @@ def _dense_programs(engine: Any, state: Any) -> list[Program]:
 
 def programs(engine: Any) -> list[Program]:
     """Every program of ``engine`` (a vEngine or an oEngine) a live request can hit, compile()'s first,
-    as `Program` (name, jitted function, abstract arguments); for a vEngine also the structured-output
-    programs. Nothing is allocated but small host inputs, nothing compiled or traced until a program's
-    ``args`` are read; read them inside `tpu_lowering.targeting` to lower for that TPU."""
+    as `Program` (name, jitted function, abstract arguments), then the structured-output programs.
+    Nothing is allocated but small host inputs, nothing compiled or traced until a program's ``args``
+    are read; read them inside `tpu_lowering.targeting` to lower for that TPU."""
     state = state_spec(engine)
     if not isinstance(engine, oEngine):
         return _dense_programs(engine, state)
@@ -167,4 +169,9 @@ def programs(engine: Any) -> list[Program]:
     inputs = abstract(engine.seq_inputs(GREEDY, [], np.zeros(2, np.uint32), [0]))
     table = _sds((engine.max_concurrent_decodes, engine.table_width), np.int32, rep)
     jobs = paged_jobs(engine, state, inputs, table, lambda shape, dtype: _sds(shape, dtype, rep))
+    v = engine.config.vocab_size
+    dec = [_sds((r, v), np.float32, rep) for r in engine.step_rows]
+    jobs += paged_structured_jobs(
+        engine, sampler_rows(state), dec, [_sds((engine.step_seqs, v), np.float32, rep)], inputs
+    )
     return [Program(name, fn, _given(args)) for name, fn, args in jobs]

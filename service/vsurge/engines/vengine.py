@@ -39,8 +39,7 @@ from .dense_programs import (  # GenerationState, Prefix, resolve_decode_steps: 
 )
 from .dense_state import DenseCache
 from .dense_warmup import compile_engine, warm_structured
-from .engine_base import EngineBase
-from .oengine import resolve_token_budget
+from .engine_base import EngineBase, resolve_token_budget
 from .prefill_rows import first_fit, row_counts, rows_needed
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
@@ -448,7 +447,9 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         """The second half: sample the rows of `decode_logits` under the packed token mask
         (i32[>= rows, ceil(V/32)] host array; unconstrained rows all ones)."""
         rows = logits.shape[0]
-        return self._sample_masked[rows](decode_state, logits, np.ascontiguousarray(token_mask[:rows]))
+        # a copy: jit reads a numpy argument in place, after dispatch, and the driver resets the row of a
+        # slot it frees right after this call (its last token was then sampled without its mask)
+        return self._sample_masked[rows](decode_state, logits, np.array(token_mask[:rows], np.int32))
 
     def move_slots(self, state: GenerationState, moves: Sequence[tuple[int, int]]) -> GenerationState:
         """Move each live slot ``a`` of ``moves`` [(a, b)] into the free slot ``b`` (its whole state row);

@@ -44,6 +44,8 @@ LANE_METHODS = frozenset(
         "seq_inputs",
         "prefill_chunk",
         "step",
+        "step_logits",  # structured output: the forward, then the samplers under the token masks
+        "step_sample",
         # vEngine.mixed (max_num_batched_tokens on vdriver: prompts prefilled inside the decode steps)
         "mixed.step",
         "mixed.seat",

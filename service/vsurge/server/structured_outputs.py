@@ -385,7 +385,7 @@ async def compile_spec(entry: Any, spec: GrammarSpec) -> Any:
         raise APIError(
             400,
             f"{spec.param.split('.')[0]} needs structured output, which this engine's driver does not "
-            "support (use the vdriver).",
+            "support.",
             param=spec.param.split(".")[0],
             code="unsupported_parameter",
         )

@@ -47,9 +47,15 @@ class SlotGrammars:
     def __contains__(self, slot: int) -> bool:
         return slot in self._matchers
 
-    def start(self, slot: int, grammar: CompiledGrammar) -> np.ndarray:
-        """A new sample in ``slot``: its matcher, and the mask row of its first token (i32[1, W])."""
+    def start(self, slot: int, grammar: CompiledGrammar, accepted: Sequence[int] = ()) -> np.ndarray:
+        """A new sample in ``slot``: its matcher, and the mask row of its first token (i32[1, W]).
+        ``accepted``: tokens the sample produced before (a recompute after preemption), replayed first
+        (sampled under the mask, so the grammar takes them; one it did not would leave only EOS)."""
         m = grammar.matcher()
+        for t in accepted:
+            if m.done or not m.accept(t):
+                break
+        self._unread.pop(slot, None)
         self._matchers[slot] = m
         self._fill(slot, m)
         return self.mask[slot : slot + 1].copy()
