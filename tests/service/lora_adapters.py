@@ -1,7 +1,9 @@
-"""PEFT LoRA adapters for the tiny checkpoints (peft and torch: test-only), and the merged reference."""
+"""PEFT LoRA adapters for the tiny checkpoints (peft and torch: test-only), the merged reference, and the
+requests of the LoRA parity tests (test_lora.py, test_lora_paths.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
 
@@ -46,3 +48,55 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int]
             lps.append(float(torch.log_softmax(logits, -1)[tok]))
             seq.append(tok)
     return seq[len(prompt) :], lps
+
+
+# The batch the parity tests serve: three adapters and the base, one per prompt, TOKENS greedy tokens each
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 201, 202, 203, 204, 205], [64, 65]]
+NAMES = [*ADAPTERS, None]
+TOKENS = 12
+
+
+def adapter_setup(tiny_checkpoint, tmp_path_factory) -> tuple[str, torch.nn.Module, dict]:
+    """(model path, base torch model, {name: (adapter dir, merged torch model)}) of every adapter of
+    ADAPTERS for the tiny Llama (8 heads, 4 kv heads)."""
+    path, hf = tiny_checkpoint("llama", heads=8, kv_heads=4)
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = {n: (str(root / n), make_adapter(hf, root / n, n, seed=i)) for i, n in enumerate(ADAPTERS)}
+    return path, hf, adapters
+
+
+def reference(setup, prompts=PROMPTS, names=NAMES, tokens=TOKENS) -> list[tuple[list[int], list[float]]]:
+    """Per prompt (its adapter names[i], None: the base): transformers' greedy tokens and their logprobs,
+    with the adapter merged."""
+    _, hf, adapters = setup
+    return [hf_greedy(adapters[n][1] if n else hf, p, tokens) for p, n in zip(prompts, names, strict=True)]
+
+
+def ids_request(ids, adapter=None, tokens=TOKENS, logprobs=True):
+    from vsurge.request import vSurgeRequest
+
+    return vSurgeRequest(
+        prompt=list(ids),
+        max_tokens=tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=logprobs,
+        is_client_side_tokenization=True,
+        adapter=adapter,
+    )
+
+
+async def collect(surge, req) -> tuple[list[int], list[float]]:
+    ids, lps = [], []
+    async for items in surge.complete(req):
+        for s in items:
+            ids.extend(s.token_ids)
+            lps.extend(t.logprob for t in s.logprobs or ())
+    return ids, lps
+
+
+async def run_all(surge, prompts, names, tokens=TOKENS, logprobs=True) -> list[tuple[list[int], list[float]]]:
+    """Every prompt with its adapter, all at once (one batch): (tokens, logprobs) per prompt."""
+    return await asyncio.gather(
+        *(collect(surge, ids_request(p, n, tokens, logprobs)) for p, n in zip(prompts, names, strict=True))
+    )

@@ -12,35 +12,32 @@ import pytest
 import torch
 from flax import nnx
 from jit_watch import compilations
-from lora_adapters import ADAPTERS, hf_greedy, make_adapter
+from lora_adapters import (
+    ADAPTERS,
+    NAMES,
+    PROMPTS,
+    adapter_setup,
+    collect,
+    ids_request,
+    make_adapter,
+    reference,
+    run_all,
+)
 
 import vsurge
 from vsurge.drivers.lora_adapters import UnknownAdapterError
 from vsurge.models import logits
 from vsurge.models.lora import lora_delta
 from vsurge.models.peft_adapter import AdapterError, read_adapter
-from vsurge.request import vSurgeRequest
 from vsurge.surge import vSurge
 
-PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 201, 202, 203, 204, 205], [64, 65]]
-NAMES = [*ADAPTERS, None]  # three adapters and the base, one per prompt
-TOKENS = 12
 REL = 1e-4  # test_model_parity's bound on max |ours - transformers| / max |transformers|
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_checkpoint, tmp_path_factory):
     """(model path, base torch model, {name: (adapter dir, merged torch model)})."""
-    path, hf = tiny_checkpoint("llama", heads=8, kv_heads=4)
-    root = tmp_path_factory.mktemp("adapters")
-    adapters = {n: (str(root / n), make_adapter(hf, root / n, n, seed=i)) for i, n in enumerate(ADAPTERS)}
-    return path, hf, adapters
-
-
-def reference(setup):
-    """Per prompt of PROMPTS (its adapter NAMES[i]): transformers' greedy tokens and their logprobs."""
-    _, hf, adapters = setup
-    return [hf_greedy(adapters[n][1] if n else hf, p, TOKENS) for p, n in zip(PROMPTS, NAMES, strict=True)]
+    return adapter_setup(tiny_checkpoint, tmp_path_factory)
 
 
 def test_lora_delta_gather_and_one_hot_agree():
@@ -95,33 +92,6 @@ def test_adapters_that_do_not_fit_are_refused(setup, tmp_path, tiny_checkpoint):
         read_adapter(str(tmp_path / "other"), model.config, 16)
     with pytest.raises(AdapterError, match="not a PEFT adapter directory"):
         read_adapter(str(tmp_path), model.config, 16)
-
-
-def ids_request(ids, adapter=None):
-    return vSurgeRequest(
-        prompt=list(ids),
-        max_tokens=TOKENS,
-        temperature=0.0,
-        ignore_eos=True,
-        logprobs=True,
-        is_client_side_tokenization=True,
-        adapter=adapter,
-    )
-
-
-async def collect(surge, req):
-    ids, lps = [], []
-    async for items in surge.complete(req):
-        for s in items:
-            ids.extend(s.token_ids)
-            lps.extend(t.logprob for t in s.logprobs or ())
-    return ids, lps
-
-
-async def run_all(surge, prompts, names):
-    return await asyncio.gather(
-        *(collect(surge, ids_request(p, n)) for p, n in zip(prompts, names, strict=True))
-    )
 
 
 @pytest.fixture(scope="module", params=["vdriver", "odriver"])
