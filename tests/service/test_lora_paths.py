@@ -47,7 +47,11 @@ def _count(engine, method: str, calls: Counter) -> None:
     setattr(engine, method, counted)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+@pytest.fixture(
+    scope="module",
+    # dp=2,tp=2 adds little to tp=2 (the bank has no dp rule) at ~50 s of compiling: make test, not test-fast
+    params=[pytest.param(v, marks=pytest.mark.slow) if v == "dp2-tp2" else v for v in VARIANTS],
+)
 def served(request, setup):
     """(variant, started vSurge serving the three adapters on 3 bank slots, calls of the paths taken)."""
     path, _, adapters = setup
