@@ -45,5 +45,12 @@ def test_from_sampling_params_keeps_them_and_overrides_apply():
 def test_no_field_is_listed_twice():
     r = vSurgeRequest("hi", 4)
     own = set(vars(r)) - {"sampling"}
-    assert own == {"prompt", "metadata", "is_client_side_tokenization", "detokenize", "strict_max_tokens"}
+    assert own == {
+        "prompt",
+        "metadata",
+        "is_client_side_tokenization",
+        "detokenize",
+        "strict_max_tokens",
+        "adapter",
+    }
     assert not own & {f.name for f in dataclasses.fields(SamplingParams)}

@@ -186,7 +186,7 @@ def adapters_for(engines: Sequence[Any]) -> LoraAdapters | None:
 def submit_request(lora: LoraAdapters | None, req: Any, submit: Callable[[], None]) -> None:
     """Submit ``req`` (``submit()`` queues it): a request for an adapter counts in first, and out again
     if the queue refuses it; UnknownAdapterError for an adapter this driver does not serve."""
-    if req.adapter is None:
+    if getattr(req, "adapter", None) is None:  # not a request at all: the driver's submit says what it wants
         submit()
         return
     if lora is None:
