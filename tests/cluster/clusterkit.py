@@ -136,10 +136,14 @@ class Kubelet:
             self._thread.join(10)
 
     def _loop(self) -> None:
+        beat = 0.0
         while not self._stop.wait(0.2):
             if self.paused.is_set():
                 continue
             try:
+                if self.node and time.monotonic() - beat > 10:
+                    node_heartbeat(self.api, self.node)
+                    beat = time.monotonic()
                 self.sync()
             except Exception as e:  # kept for the test; the loop goes on
                 self.errors.append(e)
@@ -315,12 +319,34 @@ def service_account_token(api: kube.Kube, namespace: str, name: str, timeout: fl
 
 
 def ensure_node(api: kube.Kube, name: str) -> None:
-    """A Node object (no kubelet behind it): what the EndpointSlice controller needs to list a bound pod."""
+    """A Node object, Ready (the test's `Kubelet` keeps its heartbeat): what the EndpointSlice controller needs
+    to list a bound pod, and what keeps the pod-GC controller from force-deleting the pods bound to it (a pod
+    on a Node that does not exist is an orphan, deleted ~40-60 s after binding)."""
     try:
         api.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
     except ApiException as e:
         if e.status != 409:
             raise
+    node_heartbeat(api, name)
+
+
+def node_heartbeat(api: kube.Kube, name: str) -> None:
+    """Report the Node Ready now, as a kubelet does every 10 s: without it the node-lifecycle controller marks
+    the node unreachable after its grace period, taints it NoExecute and evicts its pods 300 s later."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    ready = {
+        "type": "Ready",
+        "status": "True",
+        "reason": "KubeletReady",
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+    api.request(
+        "PATCH",
+        f"/api/v1/nodes/{name}/status",
+        {"status": {"conditions": [ready]}},
+        content_type="application/merge-patch+json",
+    )
 
 
 def ensure_namespace(api: kube.Kube, name: str) -> None:

@@ -35,6 +35,7 @@ from clusterkit import (
     REPO,
     Kubelet,
     clean_env,
+    ensure_node,
     inference_model,
     next_pod_ip,
     start_operator,
@@ -42,6 +43,7 @@ from clusterkit import (
     wait_for,
 )
 from kmock_harness import LoggedProcess
+from kubernetes.client.exceptions import ApiException
 
 from vsurge_operator import kube, rollout
 
@@ -120,24 +122,22 @@ def test_a_long_stream_survives_the_scale_down_of_its_pod(k8s, namespace, tmp_pa
         pytest.skip(reason)
     api = k8s.kube()
     ip = next_pod_ip()
-    kubelet = Kubelet(api, namespace, ip_for=lambda pod: ip).start()
+    # The scheduler's part: the kubelet stand-in binds the pod to a Ready Node (the API server deletes an
+    # unscheduled pod at once, with no grace period; a bound one waits for its kubelet; and a pod bound to a
+    # Node that does not exist is force-deleted by the pod-GC controller about a minute later).
+    node = f"node-{namespace}"
+    ensure_node(api, node)
+    kubelet = Kubelet(api, namespace, ip_for=lambda pod: ip, node=node).start()
     operator = start_operator(k8s.kubeconfig, tmp_path / "operator.log", f"--namespace={namespace}")
     container: Container | None = None
     try:
         api.create(IM, namespace, inference_model("drain", namespace, replicas=1, drainSeconds=DRAIN_SECONDS))
-        (pod,) = wait_for(lambda: api.list(kube.POD, namespace, "vsurge.io/model=drain"), 60, message="pod")
-        # The scheduler's part: bind it to a node (the API server deletes an unscheduled pod at once, with no
-        # grace period; a bound one waits for its kubelet).
-        name = pod["metadata"]["name"]
-        api.request(
-            "POST",
-            f"/api/v1/namespaces/{namespace}/pods/{name}/binding",
-            {
-                "apiVersion": "v1",
-                "kind": "Binding",
-                "metadata": {"name": name},
-                "target": {"kind": "Node", "name": "kit-node"},
-            },
+        (pod,) = wait_for(
+            lambda: [
+                p for p in api.list(kube.POD, namespace, "vsurge.io/model=drain") if p["spec"].get("nodeName")
+            ],
+            60,
+            message="pod bound to the node",
         )
         spec = pod["spec"]
         (c,) = spec["containers"]
@@ -237,7 +237,7 @@ def test_a_long_stream_survives_the_scale_down_of_its_pod(k8s, namespace, tmp_pa
         assert container.exited() == 0, container.proc.log()[-3000:]
         t_exit = time.monotonic()
         assert t_exit - t_delete < grace
-        api.request(
+        api.request(  # the kubelet's last word: the containers are gone, the pod object goes
             "DELETE",
             f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}",
             {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0},
@@ -251,3 +251,8 @@ def test_a_long_stream_survives_the_scale_down_of_its_pod(k8s, namespace, tmp_pa
             container.proc.stop()
         operator.stop()
         kubelet.stop()
+        try:
+            api.request("DELETE", f"/api/v1/nodes/{node}")
+        except ApiException as e:
+            if e.status != 404:
+                raise
