@@ -18,6 +18,11 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
+from jax_cache_repair import repair as _repair_cache  # noqa: E402
+
+# An entry written without the size limit would make every later write fail (see jax_cache_repair).
+_repair_cache(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
 
 import pytest  # noqa: E402 - after the environment above, which must precede any jax import
 
