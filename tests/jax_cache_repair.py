@@ -17,16 +17,17 @@ CACHE_SUFFIX = "-cache"  # JAX's names (jax/_src/lru_cache.py)
 ATIME_SUFFIX = "-atime"
 
 
+def atime_of(entry: Path) -> Path:
+    """The access-time file JAX keeps beside the cache entry ``entry``."""
+    return entry.with_name(entry.name.removesuffix(CACHE_SUFFIX) + ATIME_SUFFIX)
+
+
 def entries_without_atime(folder: str | Path) -> list[Path]:
     """The cache entries of ``folder`` that JAX's eviction cannot read an access time for."""
     root = Path(folder)
     if not root.is_dir():
         return []
-    return [
-        entry
-        for entry in root.glob(f"*{CACHE_SUFFIX}")
-        if not entry.with_name(entry.name.removesuffix(CACHE_SUFFIX) + ATIME_SUFFIX).exists()
-    ]
+    return [entry for entry in root.glob(f"*{CACHE_SUFFIX}") if not atime_of(entry).exists()]
 
 
 def repair(folder: str | Path) -> int:
@@ -35,9 +36,8 @@ def repair(folder: str | Path) -> int:
     running JAX: a write that races it stores the same kind of stamp."""
     repaired = 0
     for entry in entries_without_atime(folder):
-        stamp = entry.with_name(entry.name.removesuffix(CACHE_SUFFIX) + ATIME_SUFFIX)
         try:
-            stamp.write_bytes(int(entry.stat().st_mtime * 1e9).to_bytes(8, "little"))
+            atime_of(entry).write_bytes(int(entry.stat().st_mtime * 1e9).to_bytes(8, "little"))
             repaired += 1
         except OSError:  # the entry was evicted meanwhile
             continue

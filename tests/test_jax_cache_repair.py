@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from jax_cache_repair import entries_without_atime, repair
+from jax_cache_repair import CACHE_SUFFIX, entries_without_atime, repair
 
 # One fresh interpreter per write: JAX sets its cache up once per process, from the environment.
 WRITE = textwrap.dedent(
@@ -33,7 +33,7 @@ def _write(folder, k: int, limited: bool) -> subprocess.CompletedProcess:
 
 
 def _entries(folder) -> int:
-    return len(list(folder.glob("*-cache")))
+    return len(list(folder.glob(f"*{CACHE_SUFFIX}")))
 
 
 def test_a_write_without_the_limit_stops_the_cache_until_repaired(tmp_path):
