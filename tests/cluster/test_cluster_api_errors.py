@@ -165,8 +165,12 @@ def test_500_and_409_from_the_server_are_retried_and_converge(k8s, namespace, tm
         )
         creates = [code for o, n, code in webhook.seen if o == "CREATE"]
         assert creates[:3] == [500, 409, 200], webhook.seen
-        warnings = [e["message"] for e in events(api, namespace, "ApiError")]
-        assert any("500" in m for m in warnings) and any("409" in m for m in warnings), warnings
+        # kopf posts events from a queue of its own, after the handler returned: wait for both.
+        def both_reported() -> bool:
+            warnings = [e["message"] for e in events(api, namespace, "ApiError")]
+            return any("500" in m for m in warnings) and any("409" in m for m in warnings)
+
+        wait_for(both_reported, 20, message="ApiError events for the 500 and the 409")
         wait_for(
             lambda: (api.get(IM, namespace, "faulty") or {}).get("status", {}).get("readyReplicas") == 1,
             20,

@@ -85,8 +85,9 @@ def test_autoscaler_scales_on_real_slot_occupancy(k8s, namespace, tmp_path, tiny
         wait_for(
             lambda: len(api.list(kube.POD, namespace, "vsurge.io/model=auto")) == 2, 10, message="second pod"
         )
-        scale_up = events(api, namespace, "ScaledUp")
-        assert scale_up and "1 -> 2" in scale_up[0]["message"], scale_up
+        # kopf posts the event from its own queue, after the scale patch: wait for it, do not read once.
+        scale_up = wait_for(lambda: events(api, namespace, "ScaledUp"), 10, message="ScaledUp event")
+        assert "1 -> 2" in scale_up[0]["message"], scale_up
         measured = float(scale_up[0]["message"].split("slotOccupancy ")[1].split()[0])
         assert measured > 0.55, scale_up[0]["message"]  # the real server's slots were busy
 
@@ -116,7 +117,7 @@ def test_autoscaler_scales_on_real_slot_occupancy(k8s, namespace, tmp_path, tiny
             20,
             message="one pod",
         )
-        assert events(api, namespace, "ScaledDown")
+        wait_for(lambda: events(api, namespace, "ScaledDown"), 10, message="ScaledDown event")
         assert not kubelet.errors
     finally:
         stop.set()

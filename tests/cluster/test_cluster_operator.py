@@ -213,7 +213,11 @@ def test_tpu_single_host_deployment_multi_host_lws_switch_and_invalid(k8s, api, 
     assert (
         api.get(kube.DEPLOYMENT, namespace, "bad") is None and api.get(kube.SERVICE, namespace, "bad") is None
     )
-    assert any(e["involvedObject"]["name"] == "bad" for e in events(api, namespace, "InvalidSpec"))
+    # kopf posts the event from its own queue, after the status was written: wait for it, do not read once.
+    wait_for(
+        lambda: any(e["involvedObject"]["name"] == "bad" for e in events(api, namespace, "InvalidSpec")),
+        message="InvalidSpec event",
+    )
 
     # Several hosts -> one host: the LeaderWorkerSet is replaced by a Deployment, and the lane's policy goes.
     api.patch(IM, namespace, "big", {"spec": {"tpu": {"topology": "2x4"}}})

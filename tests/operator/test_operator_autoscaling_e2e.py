@@ -96,8 +96,12 @@ def test_replicas_follow_occupancy_within_windows_and_bounds(
         history = _spec_replicas_history(cluster, resource, namespace, "auto")
         assert history and all(1 <= r <= 3 for r in history), (resource, history)
         assert 3 in history
-    events = {e["reason"] for e in cluster.objects("events", namespace)}
-    assert {"ScaledUp", "ScaledDown"} <= events
+    # kopf posts events from its own task, after the patch: wait for them, do not read once.
+    wait_for(
+        lambda: {"ScaledUp", "ScaledDown"} <= {e["reason"] for e in cluster.objects("events", namespace)},
+        10,
+        message="ScaledUp and ScaledDown events",
+    )
     # Every change went through the scale subresource.
     scale_patches = cluster.requests(
         method="PATCH", plural="inferencemodels", subresource="scale", agent=kube.USER_AGENT
