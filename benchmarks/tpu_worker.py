@@ -80,6 +80,26 @@ def param_count(model) -> int:
 # ------------------------------------------------------------------------------------------ raw loops
 
 
+def raw_paged_cache(cfg, batch: int, max_length: int, page: int, dtype):
+    """The raw loop's paged cache and page table: every row owns ``max_length`` positions of pages, the
+    cache holds exactly those (sized by the layout the cache itself picks: a head_dim-64 model's pages
+    are padded to 128 lanes on the kernel path and cost twice the model's bytes). A table naming a page
+    the cache does not hold is refused here: the TPU kernel does not bound-check its page DMAs, and an
+    index past the cache halts the chip's core (E0200 RuntimeUnexpectedCoreHalt, 2026-12-06, head_dim 64)."""
+    from vsurge.engines.paging import PagedAttentionCache, bytes_per_page, cache_layout
+    from vsurge.models.paged_attention import use_pallas
+
+    per = -(-max_length // page)
+    kv = cache_layout(cfg, 1, kernel=use_pallas())
+    storage = PagedAttentionCache.create(
+        cfg, page, 0.9, (batch * per + 1) * bytes_per_page(cfg, page, dtype, kv), dtype=dtype
+    )
+    table = 1 + np.arange(batch * per, dtype=np.int32).reshape(batch, per)
+    if int(table.max()) > storage.num_pages:
+        raise ValueError(f"the page table names page {int(table.max())}, the cache holds {storage.num_pages}")
+    return storage, table
+
+
 def raw_loop(model, path: str, batch: int, context: int, max_length: int, steps: int = 20) -> dict:
     """Seconds per step of the bare jitted decode step (greedy argmax) over ``batch`` rows at ``context``
     positions, with the attention and cache layout the engine of ``path`` uses."""
@@ -102,18 +122,9 @@ def raw_loop(model, path: str, batch: int, context: int, max_length: int, steps:
     else:
         setup = configure("pallas" if path == "odriver-pallas" else "jax", None, cfg, dt)
         page = 128
-        per = -(-max_length // page)
-        from vsurge.engines.paging import PagedAttentionCache
-
-        storage = PagedAttentionCache.create(
-            cfg,
-            page,
-            0.9,
-            (batch * per + 1) * page * kv_bytes_per_token(cfg, jnp.dtype(dt).itemsize),
-            dtype=dt,
-        )
+        storage, table = raw_paged_cache(cfg, batch, max_length, page, dt)
         caches = storage.allocate()
-        table = jnp.asarray(1 + np.arange(batch * per, dtype=np.int32).reshape(batch, per))
+        table = jnp.asarray(table)
         backend = PagedDecodeAttention(page, -(-context // page) + 1, window=cfg.sliding_window)
         meta_of = lambda pos: (pos, table)  # noqa: E731
         del setup
@@ -322,6 +333,9 @@ def correctness(args) -> None:
     prompts = [list(map(int, rng.integers(2, 2000, n))) for n in (5, 17, 40)]
     new = 12
     rows = []
+    # Process-wide, not the context manager alone: jax's config contexts are thread-local, and the engine
+    # runs its steps on threads of its own (a context here left them at the TPU's default bf16 passes).
+    jax.config.update("jax_default_matmul_precision", "highest")
     with jax.default_matmul_precision("highest"):
         for quant in ("none", "int8"):
             model, tok = vsurge.load_model(args.ckpt, dtype="float32", quantization=quant)
