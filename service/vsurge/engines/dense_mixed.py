@@ -14,6 +14,11 @@ prompts share a step in the second shape); `plan_chunks` picks the shape that ca
 While a slot is being prefilled its position is held past the cache (``max_length``), so the decode and
 verify steps, which write every row of their bucket at the row's position, drop that row's write instead
 of overwriting a prompt position; `seat` sets the real position.
+
+With a LoRA bank (enable_lora) every token of a step names its bank slot, as in vEngine's separate prefill
+and decode programs: a decode row its request's (the slot's sampling row, set when it was seated), a chunk
+its prompt's (``Chunk.adapter``, sent with the step). Adapters are values in the bank, not shapes, so the
+same (R, shape) programs serve every mix of adapters; without a bank the programs are those of before.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from ..models.attention import DenseMixedAttention
+from ..models.lora import has_bank
 from .engine_base import constrain, sample_first_token, sample_step, start_slot
 from .sampling import SampleResult, SlotSampling
 
@@ -40,6 +46,7 @@ class Chunk(NamedTuple):
     slot: int
     start: int
     tokens: np.ndarray
+    adapter: int = -1  # the prompt's LoRA bank slot (-1: the base model)
 
 
 def step_shapes(budget: int, rows: int) -> list[tuple[int, int]]:
@@ -68,6 +75,12 @@ def plan_chunks(
     return best[1], best[2]
 
 
+def _token_adapters(row_adapters: jax.Array, chunk_adapters: jax.Array, c: int) -> jax.Array:
+    """i32[1, R + K*C]: the bank slot of each token of the flat step, the decode rows' then each chunk's
+    for all its C tokens (a chunk's padding gets it too: its hidden states and KV writes are dropped)."""
+    return jnp.concatenate([row_adapters, jnp.repeat(chunk_adapters, c)])[None]
+
+
 def _mixed_impl(
     graphdef,
     params,
@@ -77,6 +90,7 @@ def _mixed_impl(
     slots,
     starts,
     counts,
+    adapters=None,
     *,
     rows,
     logits_sharding,
@@ -84,8 +98,8 @@ def _mixed_impl(
     shardings,
 ):
     """Decode the first ``rows`` slots and write the chunks tokens [K, C] into slots [K] from starts [K]
-    (counts [K] real tokens each). Returns (state, the decode rows' SampleResult, hidden state at each
-    chunk's last real token [K, hidden])."""
+    (counts [K] real tokens each; ``adapters`` [K] their LoRA bank slots, given only with a bank). Returns
+    (state, the decode rows' SampleResult, hidden state at each chunk's last real token [K, hidden])."""
     model = nnx.merge(graphdef, params)
     k, c = tokens.shape
     s = state.positions.shape[0]
@@ -96,7 +110,9 @@ def _mixed_impl(
     flat = jnp.concatenate([state.tokens[:rows], tokens.reshape(-1)])[None]
     flat_pos = jnp.concatenate([pos, c_pos.reshape(-1)])[None]
     backend = DenseMixedAttention(rows=rows, window=model.config.sliding_window)
-    hidden, caches = model(flat, flat_pos, backend, state.caches, (pos, lengths, slots, starts, counts))
+    lora = _token_adapters(state.sampling.lora[:rows], adapters, c) if has_bank(model) else None
+    meta = (pos, lengths, slots, starts, counts)
+    hidden, caches = model(flat, flat_pos, backend, state.caches, meta, lora)
     hidden = hidden[0]
     logits = model.compute_logits(hidden[:rows])
     if logits_sharding is not None:
@@ -155,11 +171,14 @@ class DenseMixedStep:
         self._seat = jax.jit(partial(_seat_impl, engine.graphdef, **common), donate_argnums=(1,))
         # chunks of many tokens: the bfloat16 kernels when a knob asked for them (as packed prefill)
         self.params = engine._bf16 if engine._bf16 is not None else engine.params
+        # the chunks' adapter argument exists only with a LoRA bank: without, the programs are those of before
+        self.lora = bool(engine.engine_config.enable_lora)
 
     def _args(self, r: int, shape: tuple[int, int]) -> tuple:
         k, c = shape
         z = np.zeros(k, np.int32)
-        return (np.zeros(r, np.int32), np.zeros((k, c), np.int32), z, z, z)
+        lora = (np.full(k, -1, np.int32),) if self.lora else ()
+        return (np.zeros(r, np.int32), np.zeros((k, c), np.int32), z, z, z, *lora)
 
     def jobs(self, state: Any) -> list[tuple[str, Any, tuple]]:
         """(name, program, example arguments) of every mixed step and seat, for the engine's compile()."""
@@ -206,12 +225,16 @@ class DenseMixedStep:
             raise ValueError(f"chunks do not fit a step of shape {shape} at {rows} rows")
         tokens = np.full((k, c), eng.pad_token_id, np.int32)
         slots, starts, counts = (np.zeros(k, np.int32) for _ in range(3))
+        adapters = np.full(k, -1, np.int32)
         for i, x in enumerate(chunks):
             tokens[i, : len(x.tokens)] = x.tokens
-            slots[i], starts[i], counts[i] = x.slot, x.start, len(x.tokens)
+            slots[i], starts[i], counts[i], adapters[i] = x.slot, x.start, len(x.tokens), x.adapter
         live = np.flatnonzero(eng._active)
         lengths = eng.read_lengths(rows)
-        state, out, hidden = self._fns[rows](self.params, state, lengths, tokens, slots, starts, counts)
+        lora = (adapters,) if self.lora else ()
+        state, out, hidden = self._fns[rows](
+            self.params, state, lengths, tokens, slots, starts, counts, *lora
+        )
         eng._pos[live] += 1
         return state, out, hidden
 
