@@ -84,7 +84,8 @@ class InPlacePrefill:
                 continue
             slot = heapq.heappop(s.free)
             req.metadata.prefill_started_at = time.time()
-            row = self.engine.make_sampling_row(req.params, sorted(req.stop_ids))
+            # the row carries the request's LoRA bank slot: the slot's decode steps read it once seated
+            row = self.engine.make_sampling_row(req.params, sorted(req.stop_ids), req.adapter_slot)
             self.prefilling.append(Prefilling(req, slot, row))
 
     def drop_cancelled(self, loop: StepLoop) -> None:
@@ -106,7 +107,12 @@ class InPlacePrefill:
         Returns (state, the decode SampleResult, what `seat` takes once the step's rows are accounted)."""
         shape, takes = self.mixed.step_plan([p.left for p in self.prefilling])
         chunks = [
-            Chunk(p.slot, p.done, np.asarray(p.req.prompt_ids[p.done : p.done + n], np.int32))
+            Chunk(
+                p.slot,
+                p.done,
+                np.asarray(p.req.prompt_ids[p.done : p.done + n], np.int32),
+                p.req.adapter_slot,
+            )
             for p, n in zip(self.prefilling, takes, strict=False)
         ]
         state, out, hidden = self.mixed.step(state, chunks, shape)

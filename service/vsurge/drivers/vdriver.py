@@ -289,6 +289,12 @@ class vDriver:  # noqa: N801 - the seed's name
             req = p.next_request()
             if req is None or not self._admit_prefill(engine, req):
                 continue
+            # its adapter's bank slot before either path prefills it; waiting here is safe, as on oDriver:
+            # the slots are pinned by requests already handed on, which end without this thread
+            if not pin_request(self.lora, req, True, lambda: p.live):
+                if not req.finalized:
+                    p.finish(req, "abort")  # stopping
+                continue
             if not prefilled_in_step(req):
                 if not self._prefill_batch(engine, [req]):
                     p.finish(req, "abort")
