@@ -436,10 +436,6 @@ class EngineConfig:
             if value is not None and value not in only.idle and self.driver != only.driver:
                 text = only.message.format(value=value, what=only.what, only=only.driver, driver=self.driver)
                 raise ValueError(f"{f.name}: {text}")
-        if self.enable_lora and self.driver == "vdriver" and self.max_num_batched_tokens is not None:
-            raise ValueError(
-                "enable_lora: vdriver's in-place prefill (max_num_batched_tokens) has no LoRA yet"
-            )
         mpl, ml = self.max_prefill_length, self.max_length
         if mpl is not None and ml is not None and mpl > ml:
             raise ValueError(f"max_prefill_length {mpl} exceeds max_length {ml}")

@@ -105,6 +105,15 @@ def test_bad_values_name_the_field(changes, fragment):
     assert fragment in str(e.value)
 
 
+@pytest.mark.parametrize("driver", ["vdriver", "odriver"])
+def test_lora_is_accepted_with_prefill_inside_the_decode_steps(driver):
+    """vdriver's mixed steps carry each row's and each chunk's adapter (issue 35): it was refused before,
+    as odriver's never was."""
+    cfg = EngineConfig(driver=driver, enable_lora=True, max_num_batched_tokens=64)
+    assert (cfg.enable_lora, cfg.max_num_batched_tokens) == (True, 64)
+    assert EngineConfig(driver=driver, max_num_batched_tokens=64).replace(enable_lora=True).enable_lora
+
+
 def test_build_applies_keywords_over_a_config():
     base = EngineConfig(max_length=256, page_size=64)
     cfg = EngineConfig.build(base, seed=7, page_size=32)
