@@ -44,3 +44,16 @@ def _release_compiled_programs():
 
 # `make test` runs the suite on two pytest-xdist workers, whole files per worker (tests/xdist_files.py)
 from xdist_files import pytest_xdist_make_scheduler  # noqa: E402, F401 - a hook pytest finds here
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of tests/slow_list.py slow (before -m deselects); a stale name there fails."""
+    from slow_list import SLOW, stale
+
+    for item in items:
+        if item.nodeid in SLOW:
+            item.add_marker(pytest.mark.slow)
+    gone = stale(SLOW, {item.nodeid for item in items})
+    if gone:
+        raise pytest.UsageError("tests/slow_list.py names tests that were not collected: " + ", ".join(gone))
