@@ -67,6 +67,12 @@ SLOW: dict[str, str] = {
     "tests/service/test_attention.py::test_packed_prefill_attends_within_each_prompt[6]": "6 s",
     "tests/service/test_token_budget.py::test_a_sample_gets_exactly_its_budget[vdriver-5-1-1]": "7 s",
     "tests/service/test_program_inventory.py::test_the_inventory_lowers_as_the_engine_calls[oEngine]": "6 s",
+    # a server subprocess, a Helm render, another engine: each kept whole in make test
+    "tests/server/test_server_lifecycle.py::test_sigterm_drains_without_losing_requests": "10 s",
+    "tests/operator/test_operator_rbac_calls.py::test_every_operator_call_is_allowed_by_the_chart": "10 s",
+    "tests/server/test_server_speculative.py::test_greedy_output_is_identical_and_drafts_are_accepted": "8 s",
+    "tests/service/test_tpu_export.py::test_each_kind_of_program_lowers_for_tpu[smollm2-135m-odriver-1chips]": "8 s",
+    "tests/service/test_seed_server.py::test_fire_with_metrics_port_minus_one_serves_no_metrics": "7 s",
     "tests/test_jax_cache_repair.py::test_a_write_without_the_limit_stops_the_cache_until_repaired": "9 s: two JAX processes",
 }
 
