@@ -58,8 +58,9 @@ def tight(tiny):
 
 
 def _idle(s: vSurge) -> None:
+    # the slot is freed by the step thread, the request counted out by the pipeline a moment later
     deadline = time.time() + 5
-    while s.driver.num_used_slots and time.time() < deadline:
+    while (s.driver.num_used_slots or s.metrics().requests_running) and time.time() < deadline:
         time.sleep(0.01)
 
 
