@@ -898,6 +898,12 @@ def test_no_compilation_on_live_requests(tiny, dtypes):
         model, tok, max_concurrent_decodes=slots, prefill_lengths=BUCKETS, max_length=MAX_LEN, **dtypes
     )
     s.compile()
+    # start-up compiled every engine program in its parallel pool: what compiled after it, one at a
+    # time, is only the small eager helpers (an index into a prefix), none of the engine's programs
+    report = s.driver.engines[0].compile_report
+    late = {name for name, _ in report["after_pool"]}
+    assert not late & set(report["pool"]), report
+    assert not [n for n in late if n.endswith("_impl)")], report
     compiled = compiled_while_serving(s)
     assert not compiled, compiled
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..models.attention import ChunkAttention
 from ..models.lora import has_bank
@@ -83,9 +83,11 @@ class ChunkedPrefill:
         self.dtype = dtype
         shape = (self.row_length, config.num_kv_heads, config.head_dim)
         layers = config.num_layers
-        self._zeros = jax.jit(
-            lambda: tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(layers))
-        )
+
+        def zero_rows() -> Rows:
+            return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(layers))
+
+        self._zeros = jax.jit(zero_rows)
         self._extend = jax.jit(partial(_extend_impl, graphdef), donate_argnums=(1,))
         leaf = jax.tree_util.tree_leaves(params)[0]
         sharded = isinstance(getattr(leaf, "sharding", None), NamedSharding)  # placed on a mesh
@@ -93,18 +95,34 @@ class ChunkedPrefill:
         # the adapter argument exists only with a LoRA bank: without, the programs are those of before
         self.lora = has_bank(nnx.merge(graphdef, params))
 
+    def _whole(self) -> Any:
+        """A sharding that keeps an array whole on the weights' devices."""
+        sh = jax.tree_util.tree_leaves(self.params)[0].sharding
+        return NamedSharding(sh.mesh, PartitionSpec()) if isinstance(sh, NamedSharding) else sh
+
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
     def jobs(self) -> list[tuple[str, Any, tuple]]:
-        """(name, jitted fn, example args) of every program, for the engine's parallel compile."""
+        """(name, jitted fn, example args) of every program, for the engine's parallel compile: per bucket,
+        the chunk program on a fresh row (uncommitted, as `_zeros` makes it) and, when a prompt can take
+        more than one chunk, on the row a chunk left (committed, whole on the weights' devices), and the
+        prompt logprobs of a chunk's hidden states."""
         out = []
-        rows = jax.eval_shape(self._zeros)
+        whole = self._whole()
+        fresh = jax.eval_shape(self._zeros)
+        rows = [("", fresh)]
+        if self.row_length > self.chunk:
+            left = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), fresh)
+            rows.append((" after a chunk", left))
+        lora = (np.int32(-1),) if self.lora else ()
         for b in self.buckets:
             tokens = np.zeros(b, np.int32)
-            args = (self.params, rows, tokens, np.int32(0)) + ((np.int32(-1),) if self.lora else ())
-            out.append((f"chunk bucket {b}", self._extend, args))
-            hidden = jax.ShapeDtypeStruct((b, self.hidden_size), self.dtype)
+            for what, row in rows:
+                out.append(
+                    (f"chunk bucket {b}{what}", self._extend, (self.params, row, tokens, np.int32(0), *lora))
+                )
+            hidden = jax.ShapeDtypeStruct((b, self.hidden_size), self.dtype, sharding=whole)
             out.append((f"prompt logprobs bucket {b}", self._logprobs, (self.params, hidden, tokens)))
         return out
 

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..sampling_params import SamplingParams
+from .compile_watch import compiled_during
+from .dense_run_once import GREEDY, Prefixes, long_prefix_args, run_once_jobs
 from .engine_base import compile_jobs
 from .sampling import SampleResult
 from .slot_moves import move_args
@@ -32,9 +33,6 @@ def _spec(a: Any) -> Any:
 
 def _zeros_of(spec: Any) -> Any:
     return jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
-
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 def _warm_prompts(engine: Any) -> tuple[dict[int, list[int]], dict[int, list[list[int]]]]:
@@ -115,19 +113,50 @@ def structured_jobs(engine: Any, state: Any, prefix: Any) -> list[tuple[str, Any
 def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -> float:
     """Compile every program a live request can hit; returns seconds.
 
-    The expensive programs (prefill buckets, the decode step per row bucket) are lowered
-    and compiled in parallel threads (XLA compiles without the GIL); then each program runs once on
-    the real state, so the jit caches hold exactly the signatures live requests use.
+    Every program is lowered and compiled in parallel threads (XLA compiles without the GIL), those a
+    prefix feeds (insert, the first-token samplers) on the prefixes' shapes; then each runs once on the
+    real state, so the jit caches hold exactly the signatures live requests use (what still compiled
+    after the pool, one program at a time, is named in ``engine.compile_report['after_pool']``).
     """
     say = progress or log.info
     t0 = time.perf_counter()
     state = engine.init_decode_state()
+    jobs = program_jobs(engine, state)
+    prefill = {name: (fn, args) for name, fn, args in jobs if fn is engine._prefill}
+    prefill["a chunked prefill"] = (engine._long_prefix, long_prefix_args(engine))
+    jobs.append(("chunked prefill's prefix", *prefill["a chunked prefill"]))
+    jobs += [(name, fn, make()) for name, fn, make in run_once_jobs(engine, state, Prefixes(engine, prefill))]
+    with compiled_during() as in_pool:
+        times = compile_jobs(jobs, say)
+    pool_s = time.perf_counter() - t0
+    with compiled_during() as after_pool:
+        state = _run_each_once(engine, state, say)
+        # shapes for warm_structured, which may run later on another thread
+        engine._specs = jax.tree.map(_spec, (state, engine.prefill([1], GREEDY)))
+        engine.free_resource(0)
+        del state
+    engine.compiled = True
+    total = time.perf_counter() - t0
+    engine.compile_report = dict(
+        programs=len(jobs),
+        pool_s=round(pool_s, 2),
+        pool=sorted({name for name, _ in in_pool}),
+        slowest=sorted(times, key=lambda x: -x[1])[:8],  # lowering and compiling, per job
+        total_s=round(total, 2),
+        after_pool=sorted(after_pool, key=lambda x: -x[1]),
+    )
+    say(
+        f"compiled {len(jobs)} programs in {total:.1f}s ({pool_s:.1f}s in parallel; {len(after_pool)} "
+        f"compiled after, {sum(x[1] for x in after_pool):.1f}s)"
+    )
+    return total
+
+
+def _run_each_once(engine: Any, state: Any, say: Callable[[str], None]) -> Any:
+    """Every program on the real state once, as live requests call it; returns the state."""
     greedy = [GREEDY]
     warm, warm_rows = _warm_prompts(engine)
-    single = _single_steps(engine)
-    jobs = program_jobs(engine, state)
-    compile_jobs(jobs, say)
-    for n in engine.prefill_lengths:  # warm every program on the real state
+    for n in engine.prefill_lengths:
         state, first = engine.insert(engine.prefill(warm[n], greedy[0]), state, 0)
     for r, prompts in warm_rows.items():
         state, first = engine.insert(engine.prefill_many(prompts, greedy * r), state, 0, index=r - 1)
@@ -141,7 +170,7 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
         engine.prefill_chunked([1] * engine.max_prompt_length, greedy[0])[0], state, 0
     )
     out = None
-    for r, fn in single.items():
+    for r, fn in _single_steps(engine).items():
         state, out = fn(engine.step_params(r), state, np.ones(r, np.int32))
     state = engine._move(state, *move_args([(0, 0)], engine.max_concurrent_decodes))
     jax.block_until_ready((state, out))
@@ -153,13 +182,7 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
         state = engine.speculator.warm(state)
         ratios = ", ".join(f"{r} rows {x:.2f}x" for r, x in engine.speculator.cost_ratio.items())
         say(f"verify step (k={engine.speculator.k}) / decode step: {ratios}")
-    # shapes for warm_structured, which may run later on another thread
-    engine._specs = jax.tree.map(_spec, (state, engine.prefill([1], greedy[0])))
-    engine.free_resource(0)
-    del state
-    engine.compiled = True
-    say(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.1f}s")
-    return time.perf_counter() - t0
+    return state
 
 
 def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) -> float:

@@ -272,19 +272,24 @@ class EngineBase:
         return next(iter(leaf.devices()))
 
 
-def compile_jobs(jobs: Sequence[tuple[str, Any, tuple]], say: Callable[[str], None]) -> None:
+def compile_jobs(
+    jobs: Sequence[tuple[str, Any, tuple]], say: Callable[[str], None]
+) -> list[tuple[str, float]]:
     """Lower and compile every (name, jitted program, example arguments) in parallel threads (XLA compiles
-    without the GIL), saying each one's time."""
+    without the GIL), saying each one's time; returns (name, seconds) per job."""
 
     def build(job):
         name, fn, args = job
         tic = time.perf_counter()
         fn.lower(*args).compile()
-        return f"compiled {name} ({time.perf_counter() - tic:.1f}s)"
+        return name, time.perf_counter() - tic
 
+    out = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for line in pool.map(build, jobs):
-            say(line)
+        for name, sec in pool.map(build, jobs):
+            say(f"compiled {name} ({sec:.1f}s)")
+            out.append((name, sec))
+    return out
 
 
 def resolve_token_budget(budget: int | None, slots: int) -> int:

@@ -25,8 +25,10 @@ import jax
 import numpy as np
 
 from ..models.tpu_lowering import on_target
-from .dense_warmup import GREEDY, structured_jobs
+from .dense_run_once import GREEDY, Prefixes, abstract, long_prefix_args, run_once_jobs
+from .dense_run_once import sds as _sds
 from .dense_warmup import program_jobs as dense_jobs
+from .dense_warmup import structured_jobs
 from .oengine import PagedState, oEngine
 from .paged_programs import program_jobs as paged_jobs
 from .paged_programs import sampler_rows
@@ -35,26 +37,6 @@ from .sampling import DEFAULT_MAX_STOP_IDS, make_slot_sampling
 from .vengine import GenerationState
 
 __all__ = ["Program", "abstract", "programs", "state_spec"]
-
-
-def _sds(shape: tuple, dtype: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
-
-
-def abstract(tree: Any, sharding: Any = None) -> Any:
-    """Every array of ``tree`` as a jax.ShapeDtypeStruct: arrays committed to devices keep their sharding;
-    host arrays and uncommitted ones (which jit places where the program wants them) get ``sharding``
-    (default none: as the engine passes them)."""
-
-    def one(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x if x.sharding is not None or sharding is None else _sds(x.shape, x.dtype, sharding)
-        if isinstance(x, jax.Array | np.ndarray | np.generic):
-            own = x.sharding if isinstance(x, jax.Array) and x.committed else None
-            return _sds(np.shape(x), x.dtype, own if own is not None else sharding)
-        return x
-
-    return jax.tree.map(one, tree)
 
 
 @dataclasses.dataclass
@@ -110,44 +92,13 @@ def _dense_programs(engine: Any, state: Any) -> list[Program]:
     from each prefill shape and from a chunked prefill's row made a prefix, `sample_first`,
     `sample_firsts`); those `warm_structured` adds."""
     out = [Program(name, fn, _given(args)) for name, fn, args in dense_jobs(engine, state)]
-    prefill = {p.name: p for p in out if p.fn is engine._prefill}
-    key, j = np.zeros(2, np.uint32), np.int32(0)
-    m, c, rep = engine.max_concurrent_prefill, engine.chunked, engine._replicated()
-    sampling = make_slot_sampling([GREEDY] + [None] * (m - 1), stop_ids=[[]] * m)
-    # a chunked prefill's row and last hidden state, as the chunk program hands them on (where it leaves
-    # them is the compiler's choice: here replicated on the engine's devices)
-    row = abstract(jax.eval_shape(c._zeros), rep)
-    last = _sds((engine.config.hidden_size,), engine.model.dtype, rep)
-    long_args = (row, last, np.zeros(c.row_length, np.int32), np.int32(1), sampling)
-    prefill["a chunked prefill"] = Program("chunked prefill's prefix", engine._long_prefix, _given(long_args))
-    where = engine.get_prefix_destination_sharding()
-
-    @functools.cache
-    def prefix(name: str) -> Any:  # what that program returns (traced, not run), where a prefix lives
-        shapes = prefill[name].fn.eval_shape(*prefill[name].args)
-        if isinstance(where, jax.sharding.Sharding):
-            return abstract(shapes, where)
-        return jax.tree.map(lambda x, sh: _sds(x.shape, x.dtype, sh), shapes, where)
-
-    out.append(prefill["a chunked prefill"])
-    out += [
-        Program(f"insert from {name}", engine._insert, lambda name=name: (prefix(name), state, j, j, key, j))
-        for name in prefill
-    ]
-    # the entries of every prefix have the same shapes ([K, ...]): the first prefill's serve the samplers
+    prefill = {p.name: (p.fn, lambda p=p: p.args) for p in out if p.fn is engine._prefill}
+    long = Program("chunked prefill's prefix", engine._long_prefix, _given(long_prefix_args(engine)))
+    prefill["a chunked prefill"] = (long.fn, lambda: long.args)
+    out.append(long)
+    prefix = Prefixes(engine, prefill)
+    out += [Program(name, fn, make) for name, fn, make in run_once_jobs(engine, state, prefix)]
     first = next(iter(prefill))
-
-    def entries(*rest: Any) -> Callable[[], tuple]:
-        def make() -> tuple:
-            p = prefix(first)
-            return (engine.params, p.hidden, p.sampling, p.prompt_mask, *rest)
-
-        return make
-
-    out.append(Program("first token", engine._first, entries(j, key)))
-    out.append(
-        Program("first tokens", engine._firsts, entries(np.zeros(m, np.int32), np.zeros((m, 2), np.uint32)))
-    )
     # warm_structured's, their arguments on that prefix too (listed without it: names and programs only)
     unset = types.SimpleNamespace(hidden=None, sampling=None, prompt_mask=None)
     out += [
