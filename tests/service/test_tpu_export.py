@@ -34,7 +34,7 @@ from vsurge.engines.vengine import GenerationState, vEngine
 from vsurge.models import kernel_tables as kt
 from vsurge.models import pallas_sharded as ps
 from vsurge.models import tpu_lowering as tl
-from vsurge.models.attention import use_dense_reader
+from vsurge.models.attention import read_chunk, use_dense_reader
 from vsurge.models.config import ModelConfig
 from vsurge.models.loader import abstract_model
 from vsurge.models.sharding import make_mesh
@@ -147,8 +147,8 @@ def per_head_view(text: str, engine, cfg: ModelConfig) -> bool:
 
 
 def flat_reads(text: str, cfg: ModelConfig) -> bool:
-    """Whether the module reads flat rows 256 positions at a time ([R, 256, KVH * D]): the TPU's reader."""
-    return bool(re.search(rf"tensor<\d+x256x{cfg.num_kv_heads * cfg.head_dim}xbf16>", text))
+    """Whether the module reads flat rows a chunk at a time ([R, read_chunk, KVH * D]): the TPU's reader."""
+    return bool(re.search(rf"tensor<\d+x{read_chunk(None)}x{cfg.num_kv_heads * cfg.head_dim}xbf16>", text))
 
 
 def export(engine, prog: Program, generation: str = "v5e") -> jax.export.Exported:
