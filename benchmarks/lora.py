@@ -1,7 +1,7 @@
 """Decode throughput with LoRA adapters: batch 32 with 0, 1 and 4 distinct adapters (rank 16), against the
 same engine without an adapter bank.
 
-    PYTHONPATH=service python benchmarks/lora.py [--model default] [--steps 32]
+    PYTHONPATH=service python benchmarks/lora.py [--model default] [--steps 32] [--dtype float32] [--json OUT]
 
 One vEngine per case pair (no bank; bank), 32 prompts prefilled and inserted, then ``--steps`` decode steps
 timed (tokens per second = 32 * steps / seconds). Adapters are random PEFT files written for the model's
@@ -68,14 +68,21 @@ def decode_rate(engine: vEngine, adapters: list[int], steps: int) -> float:
     return BATCH * steps / (time.perf_counter() - t0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--steps", type=int, default=32)
-    args = ap.parse_args()
-    model, tok = load_model(args.model, dtype="float32")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16 on a TPU)")
+    ap.add_argument("--json", help="also write the rates here")
+    args = ap.parse_args(argv)
+    model, tok = load_model(args.model, dtype=args.dtype)
+    # decode_steps=1: decode_rate times the single decode step (no decode blocks to compile on a TPU)
     common = dict(
-        max_concurrent_decodes=BATCH, max_length=128, prefill_lengths=(32,), max_concurrent_prefill=8
+        max_concurrent_decodes=BATCH,
+        max_length=128,
+        prefill_lengths=(32,),
+        max_concurrent_prefill=8,
+        decode_steps=1,
     )
     results = {}
     base = vEngine(model, tok, config=EngineConfig(**common))
@@ -96,6 +103,18 @@ def main() -> None:
         results[f"{k} adapters"] = decode_rate(engine, [i % k if k else -1 for i in range(BATCH)], args.steps)
     for name, rate in results.items():
         print(f"batch {BATCH}, {name:>10}: {rate:7.1f} tok/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                dict(
+                    batch=BATCH,
+                    rank=RANK,
+                    dtype=args.dtype,
+                    device=jax.devices()[0].device_kind,
+                    rates=results,
+                ),
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ def worker(args, shape: str, plan: dict[str, Any], ckpt: str, deadline_s: float,
         "--deadline-s", str(max(10.0, deadline_s - 5)),
         "--out", str(out),
         *extra,
+        *args.worker_args.split(),
     ]  # fmt: skip
     if shape == "tiny":
         cmd += ["--fixed-prompt", "16", "--fixed-out", "32"]
@@ -110,6 +111,7 @@ def table(results: dict[str, Any]) -> str:
                 f"| {f(res.get('load_s'))} | {f(run.get('compile_s'))} "
                 f"| {f(step_cpu and steps and step_cpu / steps * 1e3, '{:.2f}')} |"
             )
+    lines += _detail(results)
     warm = results.get("warm_start")
     if warm:
         lines.append("")
@@ -119,6 +121,86 @@ def table(results: dict[str, Any]) -> str:
             f"({warm.get('ready_from_process_s', 0):.1f} s from process start, backend init {warm.get('backend_init_s', 0):.1f} s)"
         )
     return "\n".join(lines)
+
+
+def _detail(results: dict[str, Any]) -> list[str]:
+    """Per shape and path: the raw loop walking the fixed batch's positions (per read chunk) against the
+    engine's decode once every request has its first token; the prefill program alone per pack; where
+    start-up spent its compile time."""
+    walks = [
+        "",
+        "| shape | path | raw walk ms (read chunk) | fixed decode-phase tok/s | ÷ walk | fixed ÷ walk |",
+        "|---|---|---|---|---|---|",
+    ]
+    packs = [
+        "",
+        "| shape | path | prefill rows x tokens | call ms | prompt tok/s | % of matmul peak |",
+        "|---|---|---|---|---|---|",
+    ]
+    starts = [
+        "",
+        "| shape | path | programs | parallel pool s | total s | compiled after the pool (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    busy = [
+        "",
+        "| shape | busy prefill calls | fixed tok/s | fixed TTFT p50/p90 | mixed tok/s | mixed TTFT p50/p90 |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def pair(w: dict) -> str:
+        p50, p90 = w.get("ttft_p50"), w.get("ttft_p90")
+        return f"{w.get('tok_s', 0):.0f} | {'' if p50 is None else f'{p50:.2f}'} / {'' if p90 is None else f'{p90:.2f}'}"
+
+    for shape, res in results.get("shapes", {}).items():
+        for run in res.get("runs", []):
+            fixed = run.get("fixed") or {}
+            b = run.get("busy_rows")
+            if b and fixed:
+                busy.append(f"| {shape} | default | {pair(fixed)} | {pair(run.get('mixed') or {})} |")
+                busy.append(
+                    f"| {shape} | {b['prompts']} prompts in {b['rows']} rows | {pair(b.get('fixed') or {})} | {pair(b.get('mixed') or {})} |"
+                )
+            ws = ", ".join(
+                f"{w['step_s'] * 1e3:.2f} ({w.get('chunk') or 'default'})" for w in run.get("raw_walks", [])
+            )
+            if ws:
+                d, v, a = fixed.get("decode_tok_s"), fixed.get("decode_vs_walk"), fixed.get("vs_walk")
+                walks.append(
+                    f"| {shape} | {run['path']} | {ws} | {'' if d is None else f'{d:.0f}'} "
+                    f"| {'' if v is None else f'{v:.2f}'} | {'' if a is None else f'{a:.2f}'} |"
+                )
+            for pk in run.get("prefill") or []:
+                packs.append(
+                    f"| {shape} | {run['path']} | {pk['rows']} x {pk['tokens'] // pk['rows']} | {pk['call_s'] * 1e3:.1f} "
+                    f"| {pk['tok_s']:.0f} | {pk['of_peak'] * 100:.0f} |"
+                )
+            rep = run.get("compile_report")
+            if rep:
+                late = ", ".join(f"{n} {t:.1f}" for n, t in rep.get("after_pool", [])[:6])
+                late += "; slowest in the pool: " + ", ".join(
+                    f"{n} {t:.1f}" for n, t in rep.get("slowest", [])[:5]
+                )
+                starts.append(
+                    f"| {shape} | {run['path']} | {rep['programs']} | {rep['pool_s']:.1f} | {rep['total_s']:.1f} "
+                    f"| {len(rep.get('after_pool', []))}: {late} |"
+                )
+    return [t for block in (walks, packs, starts, busy) if len(block) > 3 for t in block]
+
+
+def lora_rates(args, out_dir: Path, budget_s: float) -> dict[str, Any]:
+    """benchmarks/lora.py on the --lora shape's checkpoint in bfloat16, in its own process."""
+    ckpt = str(Path(args.ckpt_dir) / args.lora)
+    write_checkpoint(args.lora, ckpt)
+    out = out_dir / "lora.json"
+    cmd = [sys.executable, str(HERE / "lora.py"), "--model", ckpt, "--dtype", "bfloat16", "--json", str(out)]
+    try:
+        proc = subprocess.run(cmd, timeout=budget_s, capture_output=True, text=True)
+        print(proc.stdout[-2000:] + proc.stderr[-2000:], flush=True)
+        status = f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        status = f"stopped at {budget_s:.0f}s"
+    return dict(json.loads(out.read_text()) if out.exists() else {}, status=status)
 
 
 def main(argv=None) -> int:
@@ -133,6 +215,12 @@ def main(argv=None) -> int:
     p.add_argument("--warm-start", default="1b64", help="shape whose second start is measured ('' skips)")
     p.add_argument(
         "--correctness", default="tiny", help="checkpoint shape for the correctness run ('' skips)"
+    )
+    p.add_argument(
+        "--worker-args", default="", help="passed to every tpu_worker.py, e.g. '--chunks 0 --busy-rows 0'"
+    )
+    p.add_argument(
+        "--lora", default="", help="shape whose decode rate with 0, 1 and 4 LoRA adapters is measured last"
     )
     args = p.parse_args(argv)
     t_end = time.perf_counter() + args.budget_s
@@ -173,7 +261,19 @@ def main(argv=None) -> int:
             out_dir / f"{shape}-warm.json", extra=("--warm-start",),
         )  # fmt: skip
         results["warm_start"] = dict(res, shape=shape)
+    if args.lora and t_end - time.perf_counter() > 60:
+        results["lora"] = lora_rates(args, out_dir, t_end - time.perf_counter())
     report = table(results)
+    lora = results.get("lora") or {}
+    if lora.get("rates"):
+        base = lora["rates"].get("no bank")
+        report += f"\n\nLoRA on {args.lora} ({lora.get('dtype')}, batch {lora.get('batch')}, rank {lora.get('rank')}):"
+        report += "".join(
+            f"\n- {name}: {rate:.0f} tok/s ({rate / base:.2f} of no bank)"
+            for name, rate in lora["rates"].items()
+        )
+    elif lora:
+        report += f"\n\nLoRA on {args.lora}: {lora.get('status')}"
     checks = results.get("correctness")
     if isinstance(checks, list):
         report += (

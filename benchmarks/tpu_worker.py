@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 import numpy as np  # noqa: E402
 
 OUT: dict[str, Any] = {"runs": [], "errors": []}
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def save(path: str | None) -> None:
@@ -37,122 +34,12 @@ def save(path: str | None) -> None:
         Path(path).write_text(json.dumps(OUT, indent=1, default=str))
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of each thread of this process, summed by thread name."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        name = names.get(int(task.name), "other")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICK
-    return out
-
-
 # ------------------------------------------------------------------------------------------ roofline
 
 
-def kv_bytes_per_token(cfg, itemsize: int = 2) -> int:
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
-def weight_read_bytes(model) -> int:
-    """Bytes a decode step reads from the weights (an untied embedding table is only gathered from)."""
-    import jax
-    from flax import nnx
-
-    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    if model.lm_head is not None:
-        emb = model.model.embed_tokens
-        total -= emb.embedding[...].nbytes + (0 if emb.scale is None else emb.scale[...].nbytes)
-    return total
-
-
-def param_count(model) -> int:
-    import jax
-    from flax import nnx
-
-    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
-# ------------------------------------------------------------------------------------------ raw loops
-
-
-def raw_paged_cache(cfg, batch: int, max_length: int, page: int, dtype):
-    """The raw loop's paged cache and page table: every row owns ``max_length`` positions of pages, the
-    cache holds exactly those (sized by the layout the cache itself picks: a head_dim-64 model's pages
-    are padded to 128 lanes on the kernel path and cost twice the model's bytes). A table naming a page
-    the cache does not hold is refused here: the TPU kernel does not bound-check its page DMAs, and an
-    index past the cache halts the chip's core (E0200 RuntimeUnexpectedCoreHalt, 2026-12-06, head_dim 64)."""
-    from vsurge.engines.paging import PagedAttentionCache, bytes_per_page, cache_layout
-    from vsurge.models.paged_attention import use_pallas
-
-    per = -(-max_length // page)
-    kv = cache_layout(cfg, 1, kernel=use_pallas())
-    storage = PagedAttentionCache.create(
-        cfg, page, 0.9, (batch * per + 1) * bytes_per_page(cfg, page, dtype, kv), dtype=dtype
-    )
-    table = 1 + np.arange(batch * per, dtype=np.int32).reshape(batch, per)
-    if int(table.max()) > storage.num_pages:
-        raise ValueError(f"the page table names page {int(table.max())}, the cache holds {storage.num_pages}")
-    return storage, table
-
-
-def raw_loop(model, path: str, batch: int, context: int, max_length: int, steps: int = 20) -> dict:
-    """Seconds per step of the bare jitted decode step (greedy argmax) over ``batch`` rows at ``context``
-    positions, with the attention and cache layout the engine of ``path`` uses."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from vsurge.models.attention import DenseDecodeAttention
-    from vsurge.models.paged_attention import PagedDecodeAttention
-    from vsurge.models.pallas_sharded import configure
-
-    cfg = model.config
-    graphdef, params = nnx.split(model)
-    dt = model.dtype
-    if path == "vdriver":
-        backend = DenseDecodeAttention(window=cfg.sliding_window)
-        shape = (batch, max_length, cfg.num_kv_heads * cfg.head_dim)
-        caches = tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers))
-        meta_of = lambda pos: (pos, pos + 1)  # noqa: E731
-    else:
-        setup = configure("pallas" if path == "odriver-pallas" else "jax", None, cfg, dt)
-        page = 128
-        storage, table = raw_paged_cache(cfg, batch, max_length, page, dt)
-        caches = storage.allocate()
-        table = jnp.asarray(table)
-        backend = PagedDecodeAttention(page, -(-context // page) + 1, window=cfg.sliding_window)
-        meta_of = lambda pos: (pos, table)  # noqa: E731
-        del setup
-
-    @jax.jit
-    def step(params, caches, tokens, pos):
-        m = nnx.merge(graphdef, params)
-        hidden, caches = m(tokens[:, None], pos[:, None], backend, caches, meta_of(pos))
-        nxt = jnp.argmax(m.compute_logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
-        return tuple(caches), nxt, pos
-
-    step = jax.jit(step.__wrapped__, donate_argnums=(1,))
-    tokens = jnp.ones((batch,), jnp.int32)
-    pos = jnp.full((batch,), context - 1, jnp.int32)
-    t0 = time.perf_counter()
-    caches, tokens, pos = step(params, caches, tokens, pos)
-    tokens.block_until_ready()
-    compile_s = time.perf_counter() - t0
-    best = float("inf")
-    for _ in range(2):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            caches, tokens, pos = step(params, caches, tokens, pos)
-        tokens.block_until_ready()
-        best = min(best, (time.perf_counter() - t0) / steps)
-    del caches
-    return dict(step_s=best, tok_s=batch / best, compile_s=compile_s, context=context)
-
+from tpu_probes import Timeline, busy_rows_experiment, prefill_probe  # noqa: E402
+from tpu_raw import kv_bytes_per_token, param_count, raw_loop, weight_read_bytes  # noqa: E402
+from tpu_workloads import mixed_limit, run_requests, workloads  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ engines
 
@@ -170,82 +57,12 @@ def engine_config(
     return EngineConfig(driver="odriver", attention="pallas" if path == "odriver-pallas" else "jax", **kw)
 
 
-def run_requests(surge, prompts, outputs, max_in_flight: int, deadline: float) -> dict:
-    """Every request through `vSurge.complete` on one asyncio loop (as the server does); tok/s over the
-    whole run, TTFT per request. Requests still running at the deadline are cancelled."""
-    from vsurge.request import vSurgeRequest
-
-    counts = [0] * len(prompts)
-    ttft = [None] * len(prompts)
-
-    async def one(i, p, n, sem):
-        async with sem:
-            req = vSurgeRequest(
-                prompt=list(map(int, p)),
-                max_tokens=int(n),
-                temperature=0.0,
-                ignore_eos=True,
-                is_client_side_tokenization=True,
-            )
-            t0 = time.perf_counter()
-            async for items in surge.complete(req):
-                for s in items:
-                    if counts[i] == 0 and len(s.token_ids):
-                        ttft[i] = time.perf_counter() - t0
-                    counts[i] += len(s.token_ids)
-
-    async def run():
-        sem = asyncio.Semaphore(max_in_flight)
-        tasks = [
-            asyncio.create_task(one(i, p, n, sem))
-            for i, (p, n) in enumerate(zip(prompts, outputs, strict=True))
-        ]
-        _, pending = await asyncio.wait(tasks, timeout=max(1.0, deadline - time.perf_counter()))
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        return len(pending)
-
-    cpu0 = thread_cpu()
-    t0 = time.perf_counter()
-    cut = asyncio.run(run())
-    wall = time.perf_counter() - t0
-    cpu1 = thread_cpu()
-    tt = np.array([x for x in ttft if x is not None])
-    threads = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
-    return dict(
-        wall_s=wall,
-        tokens=sum(counts),
-        tok_s=sum(counts) / wall,
-        ttft_p50=float(np.percentile(tt, 50)) if tt.size else None,
-        ttft_p90=float(np.percentile(tt, 90)) if tt.size else None,
-        cancelled=cut,
-        thread_cpu_s={k: round(v, 3) for k, v in threads.items() if v > 0.005},
-    )
-
-
-def workloads(
-    vocab: int, batch: int, fixed_prompt: int, fixed_out: int, mixed_max_prompt: int, seed: int = 0
-):
-    rng = np.random.default_rng(seed)
-    hi = min(vocab, 30000)
-    fixed = ([rng.integers(2, hi, fixed_prompt) for _ in range(batch)], [fixed_out] * batch)
-    lens = rng.integers(32, mixed_max_prompt + 1, batch)
-    mixed = ([rng.integers(2, hi, n) for n in lens], list(rng.integers(16, 257, batch)))
-    return fixed, mixed
-
-
-def mixed_limit(step_s: float, prompts, outputs, params: int, peak_flops: float) -> float:
-    """The mixed workload's limit estimate in seconds: the longest output's decode steps at the raw step
-    time, plus the prompts' matmul FLOPs (2 x parameters per token) at the chip's peak."""
-    prefill = 2.0 * params * sum(len(p) for p in prompts) / peak_flops
-    return max(outputs) * step_s + prefill
-
-
-def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float) -> dict:
+def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float, raw_walk=None) -> dict:
     from vsurge import vSurge
 
     out: dict[str, Any] = dict(path=path)
+    if raw_walk:
+        out["raw_walk"] = raw_walk
     cfg = engine_config(path, args.batch, args.max_length, args.decode_steps)
     t0 = time.perf_counter()
     surge = vSurge.create(model, tok, cfg)
@@ -253,18 +70,31 @@ def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float) -> di
     t0 = time.perf_counter()
     surge.compile()
     out["compile_s"] = time.perf_counter() - t0
+    engine = surge.driver.engines[0]
+    out["compile_report"] = getattr(engine, "compile_report", None)
+    if path == "vdriver" and time.perf_counter() < deadline:
+        out["prefill"] = prefill_probe(engine, param_count(model), args.peak_flops)
     surge.start()
     try:
         if time.perf_counter() < deadline:
+            timeline = Timeline(engine) if args.timeline and path == "vdriver" else None
             out["fixed"] = run_requests(surge, *fixed, max_in_flight=args.batch, deadline=deadline)
+            if timeline is not None:
+                out["fixed"]["timeline"] = timeline.close()
             if raw:
                 out["fixed"]["vs_raw"] = out["fixed"]["tok_s"] / raw["tok_s"]
+            walk = out.get("raw_walk")
+            if walk and out["fixed"].get("decode_tok_s"):
+                out["fixed"]["decode_vs_walk"] = out["fixed"]["decode_tok_s"] / walk["tok_s"]
+                out["fixed"]["vs_walk"] = out["fixed"]["tok_s"] / walk["tok_s"]
         if time.perf_counter() < deadline:
             out["mixed"] = run_requests(surge, *mixed, max_in_flight=args.batch, deadline=deadline)
             if raw:
                 limit = mixed_limit(raw["step_s"], *mixed, param_count(model), args.peak_flops)
                 out["mixed"]["limit_tok_s"] = sum(mixed[1]) / limit
                 out["mixed"]["vs_limit"] = out["mixed"]["tok_s"] / out["mixed"]["limit_tok_s"]
+        if path == "vdriver" and args.busy_rows and time.perf_counter() < deadline - 30:
+            out["busy_rows"] = busy_rows_experiment(surge, engine, args, fixed, mixed, deadline)
     finally:
         surge.stop()
     return out
@@ -399,6 +229,16 @@ def main(argv=None) -> int:
     )
     p.add_argument("--deadline-s", type=float, default=300)
     p.add_argument("--warm-start", action="store_true")
+    p.add_argument("--timeline", type=int, default=1, help="vdriver: record the fixed run's engine calls")
+    p.add_argument(
+        "--busy-rows",
+        type=int,
+        default=1,
+        help="vdriver: rerun both workloads with idle-sized busy prefill calls",
+    )
+    p.add_argument(
+        "--chunks", type=int, default=1, help="vdriver: also walk the raw loop with read chunks 128 and 512"
+    )
     p.add_argument(
         "--correctness", action="store_true", help="tiny model: device tokens against the CPU reference"
     )
@@ -444,7 +284,22 @@ def main(argv=None) -> int:
                 run["raw"]["hbm_gbps"] = moved / run["raw"]["step_s"] / 1e9
                 save(args.out)
                 print(f"{args.shape} {path} raw: {json.dumps(run['raw'])}", flush=True)
-                run.update(run_engine(model, tok, path, args, fixed, mixed, run["raw"], deadline))
+                # the same decode work as the fixed batch: rows walking from the prompt's end, per read
+                # chunk the engine could use (vdriver: the backend's default, then 128 and 512)
+                walks = [None, 128, 512] if path == "vdriver" and args.chunks else [None]
+                for chunk in walks:
+                    if time.perf_counter() > deadline - 60:
+                        break
+                    w = raw_loop(
+                        model, path, args.batch, args.fixed_prompt, args.max_length,
+                        walk=args.fixed_out, chunk=chunk,
+                    )  # fmt: skip
+                    w["hbm_gbps"] = moved / w["step_s"] / 1e9
+                    run.setdefault("raw_walks", []).append(w)
+                    save(args.out)
+                    print(f"{args.shape} {path} raw walk: {json.dumps(w)}", flush=True)
+                walk = (run.get("raw_walks") or [None])[0]
+                run.update(run_engine(model, tok, path, args, fixed, mixed, run["raw"], deadline, walk))
             except Exception as e:  # noqa: BLE001 - each configuration stands alone
                 run["error"] = f"{type(e).__name__}: {str(e)[:500]}"
                 OUT["errors"].append(f"{path}: {run['error']}")

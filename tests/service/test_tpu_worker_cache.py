@@ -1,4 +1,4 @@
-"""The TPU benchmark's raw paged loop (benchmarks/tpu_worker.py) sizes its cache by the layout the cache
+"""The TPU benchmark's raw paged loop (benchmarks/tpu_raw.py) sizes its cache by the layout the cache
 picks: on the kernel path a head_dim-64 model's pages are padded to 128 lanes and cost twice the model's
 bytes. Sized by the model's bytes, its page table named pages past the cache, and the TPU kernel, which
 does not bound-check its page DMAs, halted the chip's core (2026-12-06, 1b64 odriver-pallas)."""
@@ -16,7 +16,7 @@ from vsurge.models import pallas_sharded as ps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import tpu_worker  # noqa: E402
+import tpu_raw  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +31,7 @@ def _unconfigured():
 def test_raw_cache_holds_every_page_its_table_names(attention, head_dim, stored):
     cfg = SimpleNamespace(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=head_dim)
     ps.configure(attention, None, cfg, jnp.bfloat16)
-    storage, table = tpu_worker.raw_paged_cache(cfg, batch=4, max_length=300, page=128, dtype=jnp.bfloat16)
+    storage, table = tpu_raw.raw_paged_cache(cfg, batch=4, max_length=300, page=128, dtype=jnp.bfloat16)
     assert storage.head_dim == stored
     assert table.shape == (4, 3) and int(table.min()) == 1  # page 0 is the scratch page
     assert int(table.max()) <= storage.num_pages
