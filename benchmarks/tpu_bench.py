@@ -2,7 +2,7 @@
 
     python benchmarks/tpu_bench.py --out-dir $OUT                    # on the TPU machine, <= 8 minutes
     python benchmarks/tpu_bench.py --shapes 1b64 --paths vdriver     # a subset
-    python benchmarks/tpu_bench.py --shapes tiny --budget-s 900      # CPU smoke test (tests run it)
+    python benchmarks/tpu_bench.py --shapes tiny --budget-s 900      # CPU smoke test (tests/service/test_tpu_bench.py)
 
 For each shape (benchmarks/tpu_checkpoint.py: Llama-3.2-1B with head_dim 64, the same sizes with head_dim
 128, Llama-3.1-8B loaded in int8) a random-weight bf16 checkpoint is written once and loaded through
