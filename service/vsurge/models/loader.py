@@ -6,6 +6,7 @@ held whole on every device nor twice in host memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import ModelConfig
 from .errors import CheckpointError
@@ -142,7 +143,14 @@ def place(arr: np.ndarray, sharding: jax.sharding.Sharding, dtype: Any = None) -
     """`arr` (a memory-mapped tensor, in our layout) onto `sharding`, shard by shard: each device's slice is
     read from the map and converted alone, so a process of a multi-host group reads only what its own
     devices hold (no process holds the full model), the tensor is never copied whole, and no collective
-    runs (``jax.device_put`` onto other processes' devices would first compare the whole value with them)."""
+    runs (``jax.device_put`` onto other processes' devices would first compare the whole value with them).
+
+    A matrix stored the other way round (HF's [out, in] kernels, ``arr`` their transposed view) is placed
+    as stored, then transposed and converted on the device: numpy's transposing copy of a memory-mapped 2.5
+    GB model took 7.3 of the 12.3 s of a load here, where the device does both at memory speed."""
+    flipped = _flipped(sharding) if arr.ndim == 2 and not arr.flags.c_contiguous else None
+    if flipped is not None and arr.T.flags.c_contiguous:
+        return _transposed(sharding, None if dtype is None else np.dtype(dtype))(place(arr.T, flipped))
 
     def shard(index: Any) -> np.ndarray:
         part = arr[index]
@@ -151,6 +159,23 @@ def place(arr: np.ndarray, sharding: jax.sharding.Sharding, dtype: Any = None) -
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return jax.device_put(shard(()), sharding)
     return jax.make_array_from_callback(tuple(arr.shape), sharding, shard)
+
+
+def _flipped(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
+    """The sharding of a matrix's transpose that makes transposing it local to each device (None: a
+    sharding this does not know how to flip; the caller then transposes on the host)."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+        return NamedSharding(sharding.mesh, PartitionSpec(spec[1], spec[0]))
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _transposed(sharding: jax.sharding.Sharding, dtype: Any) -> Callable[[jax.Array], jax.Array]:
+    """A matrix transposed (and converted to ``dtype``) on its devices, into ``sharding``."""
+    return jax.jit(lambda x: x.T if dtype is None else x.T.astype(dtype), out_shardings=sharding)
 
 
 def held_bytes(model: nnx.Module) -> tuple[int, int]:
