@@ -131,3 +131,16 @@ def test_decode_steps_is_vdriver_only():
     with pytest.raises(ValueError, match="decode_steps"):
         EngineConfig(driver="odriver", decode_steps=4)
     assert EngineConfig(driver="odriver").decode_steps is None
+
+
+@pytest.mark.parametrize(("steps", "ahead", "items"), [(1, 8, 8), (4, 8, 2), (4, 6, 2), (3, 1, 1)])
+def test_run_ahead_counts_decode_steps_not_blocks(tiny, steps, ahead, items):
+    # detokenizing_blocks bounds how many decode *steps* the step thread may queue ahead of the
+    # detokenizer: with blocks of K steps the lane holds ceil(ahead / K) items. Counted in blocks, a TPU
+    # 8B engine queued 32 steps (~0.5 s of device work) that every prefill and first token waited behind.
+    model, tok = tiny
+    s = vSurge.create_vdriver(
+        model, tok, max_concurrent_decodes=4, prefill_lengths=[16], max_length=32,
+        decode_steps=steps, detokenizing_blocks=ahead,
+    )  # fmt: skip
+    assert [slots.lane.detok.maxsize for slots in s.driver._slots] == [items]

@@ -87,7 +87,10 @@ class vDriver:  # noqa: N801 - the seed's name
         self._may_prefill = threading.Event()  # interleaved mode: set by the step thread once per step
         self._slots = [
             DenseSlots(
-                self.pipeline, e, self.pipeline.new_lane(2 * e.max_concurrent_decodes), self._may_prefill
+                self.pipeline,
+                e,
+                self.pipeline.new_lane(2 * e.max_concurrent_decodes, e.decode_steps),
+                self._may_prefill,
             )
             for e in self._decode_engines
         ]
