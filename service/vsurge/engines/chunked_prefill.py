@@ -87,7 +87,9 @@ class ChunkedPrefill:
         def zero_rows() -> Rows:
             return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(layers))
 
-        self._zeros = jax.jit(zero_rows)
+        # committed where a chunk leaves its row, so the first chunk and the later ones are one program
+        # signature, not two to compile (single device; on a mesh the chunk program picks its own)
+        self._zeros = jax.jit(zero_rows, out_shardings=self._whole())
         self._extend = jax.jit(partial(_extend_impl, graphdef), donate_argnums=(1,))
         leaf = jax.tree_util.tree_leaves(params)[0]
         sharded = isinstance(getattr(leaf, "sharding", None), NamedSharding)  # placed on a mesh
@@ -105,23 +107,17 @@ class ChunkedPrefill:
 
     def jobs(self) -> list[tuple[str, Any, tuple]]:
         """(name, jitted fn, example args) of every program, for the engine's parallel compile: per bucket,
-        the chunk program on a fresh row (uncommitted, as `_zeros` makes it) and, when a prompt can take
-        more than one chunk, on the row a chunk left (committed, whole on the weights' devices), and the
-        prompt logprobs of a chunk's hidden states."""
+        the chunk program on a row as `_zeros` makes it and a chunk leaves it (whole on the weights'
+        devices), and the prompt logprobs of a chunk's hidden states."""
         out = []
         whole = self._whole()
-        fresh = jax.eval_shape(self._zeros)
-        rows = [("", fresh)]
-        if self.row_length > self.chunk:
-            left = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), fresh)
-            rows.append((" after a chunk", left))
+        row = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), jax.eval_shape(self._zeros)
+        )
         lora = (np.int32(-1),) if self.lora else ()
         for b in self.buckets:
             tokens = np.zeros(b, np.int32)
-            for what, row in rows:
-                out.append(
-                    (f"chunk bucket {b}{what}", self._extend, (self.params, row, tokens, np.int32(0), *lora))
-                )
+            out.append((f"chunk bucket {b}", self._extend, (self.params, row, tokens, np.int32(0), *lora)))
             hidden = jax.ShapeDtypeStruct((b, self.hidden_size), self.dtype, sharding=whole)
             out.append((f"prompt logprobs bucket {b}", self._logprobs, (self.params, hidden, tokens)))
         return out
