@@ -5,7 +5,9 @@ by the lane calls that run it.
 Slow: a real group of two `vsurge serve` processes (2 devices each, tp=4 over both) serving `--lora`
 adapters, then one loaded at run time, against the single-process engine's tokens. Fast: a leader and a
 worker engine of each driver in one process (test_multihost_lane's Pair) over a real lane: the worker's
-bank equals the leader's, leaf for leaf, after stage, load, eviction and unload.
+bank equals the leader's, leaf for leaf, after stage, load, eviction and unload; and the leader's whole
+driver (oDriver quick, vDriver slow) serving the parity batch over the lane, the worker's arrays then
+equal to the leader's.
 """
 
 from __future__ import annotations
@@ -211,3 +213,53 @@ def test_the_workers_bank_is_the_leaders_after_every_write(tiny_lora, driver):
     assert sorted(pair.worker.engine.lora_bank.staged) == ["legal#3", "sql#1"]
     assert sorted(leader.lora_bank.staged) == ["legal#3", "sql#1"]
     pair.lane.close()
+
+
+@pytest.mark.parametrize("driver", ["odriver", "vdriver"])
+def test_a_driver_over_the_lane_serves_adapters_and_the_worker_keeps_up(setup, tiny_lora, driver):
+    """The leader's whole driver over a LeaderEngine (leader_surge, as `vsurge serve` builds it on a
+    group) serving three adapters and the base in one batch (lora_adapters' parity batch): transformers'
+    merged tokens, and afterwards every array the leader still holds (the KV cache its requests wrote,
+    each row under its adapter) equals the worker's replay of it, so every adapter slot crossed."""
+    from lora_adapters import NAMES, PROMPTS, reference
+
+    from vsurge.engine_config import EngineConfig
+    from vsurge.multihost.lockstep_surge import leader_surge
+
+    model, tok, adapters = tiny_lora
+    pair = Pair(model, tok)
+    pair.start_worker()
+    pair.lane.wait_workers("loaded", 60, "load")
+    knobs = {"page_size": 8} if driver == "odriver" else {}
+    config = EngineConfig(
+        driver=driver,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=16,
+        max_concurrent_decodes=4,
+        max_length=64,
+        prefill_lengths=(16, 32),
+        **knobs,
+    )
+    surge = leader_surge(model, tok, config, pair.lane)
+    try:
+        surge.compile()
+        surge.start()
+        for name in ADAPTERS:
+            surge.lora.add(name, adapters[name][0])
+        got = asyncio.run(run_all(surge, PROMPTS, NAMES, logprobs=False))
+        assert [ids for ids, _ in got] == [ids for ids, _ in reference(setup)]
+        assert surge.lora.wait_idle(10)
+        deadline = time.monotonic() + 60
+        while pair.worker.calls < pair.lane.calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pair.lane.call_lock:  # no call in flight: the leader's live arrays and the worker's match
+            assert pair.worker.calls == pair.lane.calls and not pair.exits, pair.exits
+            live = [(cell[0], ref()) for cell, ref in list(pair.lane.handles._known.values())]
+            live = [(h, x) for h, x in live if x is not None and not x.is_deleted()]
+            assert sum(x.size for _, x in live) > 10_000, "the KV cache is among them"
+            for handle, x in live:
+                assert np.array_equal(np.asarray(pair.worker.handles[tuple(handle)]), np.asarray(x)), handle
+    finally:
+        surge.stop()
+        jax.clear_caches()
