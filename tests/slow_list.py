@@ -40,6 +40,10 @@ SLOW: dict[str, str] = {
     "tests/service/test_multihost_lane.py::test_a_slow_leader_is_waited_for_while_it_beats": "17 s",
     "tests/service/test_multihost_lane.py::test_the_worker_replays_every_call_and_a_silent_worker_breaks_the_lane": "10 s",
     "tests/service/test_multihost.py::test_a_start_up_error_on_any_process_ends_the_whole_group[worker]": "6 s",
+    "tests/service/test_multihost_lora.py::test_adapters_on_a_group_make_the_single_process_tokens": "61 s: a "
+    "two-process group serving --lora adapters (88 s with a cold compilation cache)",
+    "tests/service/test_multihost_lora.py::test_a_driver_over_the_lane_serves_adapters_and_the_worker_keeps_up[vdriver]": "16 s: "
+    "vdriver's whole engine twice (the group test serves vdriver; odriver's variant stays quick)",
     # operator end to end against a real server's occupancy, waiting out stabilization windows
     "tests/operator/test_operator_autoscaling_e2e.py::test_replicas_follow_occupancy_within_windows_and_bounds": "16 s",
     "tests/operator/test_operator_autoscaling_e2e.py::test_missing_metrics_hold_replicas": "16 s",

@@ -100,9 +100,7 @@ def run_serve(cfg: ServeConfig) -> int:
         for name, source in cfg.loras:  # read and checked now: a bad adapter fails the start, with why
             say(f"loading LoRA adapter {name} from {source}")
             if surge.lora is None:
-                raise RuntimeError(
-                    "--lora: this engine has no adapter bank (multi-host serving has none yet)"
-                )
+                raise RuntimeError("--lora: this engine has no adapter bank (EngineConfig.enable_lora)")
             surge.lora.add(name, source)
         api.add_model(cfg.model_name, surge, load_seconds=load_s, root=str(cfg.model))
         from vsurge.models.sources import load_phases

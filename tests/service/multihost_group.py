@@ -62,7 +62,8 @@ class Group:
     """`vsurge serve` x N on loopback: process 0 serves HTTP, the others are its workers.
 
     ``engine``: extra VSURGE_* settings (features); ``delays``: seconds to wait before starting process i
-    (a leader that comes late); ``env``: per-process overrides (a broken setting on one of them)."""
+    (a leader that comes late); ``env``: per-process overrides (a broken setting on one of them); ``args``:
+    flags every process gets (``--lora NAME=SOURCE``, which has no variable)."""
 
     def __init__(
         self,
@@ -77,6 +78,7 @@ class Group:
         order: list[int] | None = None,
         delay: float = 0.0,
         secret: Path | None = None,
+        args: list[str] | None = None,
     ):
         self.port, self.coordinator = ports()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -109,7 +111,9 @@ class Group:
             )
             e.update((env or {}).get(i, {}))
             with open(self.logs[i], "w") as log:
-                self.procs[i] = subprocess.Popen(SERVE, env=e, stdout=log, stderr=subprocess.STDOUT)
+                self.procs[i] = subprocess.Popen(
+                    [*SERVE, *(args or [])], env=e, stdout=log, stderr=subprocess.STDOUT
+                )
         self.termination = [tmp / f"termination-{i}.log" for i in range(processes)]
 
     @property

@@ -15,6 +15,7 @@ request sees a half-written slot.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..engines.lora_bank import LoraBank
+from ..engines.lora_bank import LoraBank, adapter_parts
 from ..models.peft_adapter import LoraAdapter, read_adapter
 from .lora_slots import SlotTable
 
@@ -42,7 +43,8 @@ class _Entry:
 
 class LoraAdapters:
     def __init__(self, engines: Sequence[Any]):
-        self.bank = LoraBank(engines)
+        # one engine: its own bank (on a multi-host leader, the one the step lane reaches on every process)
+        self.bank = engines[0].lora_bank if len(engines) == 1 else LoraBank(engines)
         self.config = engines[0].config
         self.table = SlotTable(self.bank.slots)
         self._entries: dict[str, _Entry] = {}
@@ -67,9 +69,26 @@ class LoraAdapters:
                 raise ValueError(f"LoRA adapter {name!r} is already loaded")
         weights = read_adapter(resolve(source), self.config, self.bank.rank)  # off the lock: may download
         with self._cond:
+            identity = f"{name}#{next(self._generation)}"
+        # The bank keeps the host weights under the identity, to write them into a slot whenever a request
+        # needs it. On a multi-host group each stage call goes down the step lane: the leader read the
+        # adapter, every worker gets its weights from the leader, once, rather than reading the source
+        # itself. So every process writes the leader's weights bit for bit (a source read twice may
+        # differ: an hf:// name without a revision, an object rewritten in between), workers need neither
+        # the source nor its credentials, an adapter loaded at run time crosses the same way, and an
+        # eviction's reload is written from each process's own copy with no lane traffic.
+        try:
+            for piece in adapter_parts(weights):
+                self.bank.stage(identity, weights.rank, piece)
+        except BaseException:
+            with contextlib.suppress(Exception):  # a failed group refuses this too: its error is raised
+                self.bank.unstage(identity)
+            raise
+        with self._cond:
             if name in self._entries:
+                self.bank.unstage(identity)
                 raise ValueError(f"LoRA adapter {name!r} is already loaded")
-            self._entries[name] = _Entry(source, weights, f"{name}#{next(self._generation)}")
+            self._entries[name] = _Entry(source, weights, identity)
 
     def remove(self, name: str) -> None:
         """Stop serving ``name``; its slot is freed once every request that entered before has ended."""
@@ -119,7 +138,7 @@ class LoraAdapters:
                     return None
                 self._cond.wait(0.1)
             if grant.load:
-                self.bank.write(grant.slot, self._entries[req.adapter].weights)
+                self.bank.load(grant.slot, self._entries[req.adapter].identity)
                 self.loads += 1
             self._pinned[req.id] = req.adapter
             return grant.slot
@@ -144,7 +163,8 @@ class LoraAdapters:
             del self._entries[name]
             slot = self.table.drop(name)
             if slot is not None:
-                self.bank.write(slot, None)  # nothing of it stays on the device
+                self.bank.load(slot, None)  # nothing of it stays on the device
+            self.bank.unstage(entry.identity)
 
     # ------------------------------------------------------------------ figures
     def running(self) -> list[str]:

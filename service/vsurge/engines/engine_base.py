@@ -22,6 +22,7 @@ from ..models.lora import attach_bank, detach_bank
 from ..models.sharding import place_params
 from ..models.target import target_backend
 from .chunked_prefill import ChunkedPrefill
+from .lora_bank import LoraBank
 from .sampling import SlotSampling, sample, set_slot, sharded_sampling
 
 
@@ -184,6 +185,17 @@ class EngineBase:
         self.params = place_params(params, self.config, mesh) if mesh is not None else params
         self.decode_rows = row_buckets(self.max_concurrent_decodes, smallest_rows)
         self.logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
+
+    @property
+    def lora_bank(self) -> LoraBank | None:
+        """This engine's LoRA bank (built on first use, once the engine's weight trees exist), None
+        without one (enable_lora off). A multi-host leader reaches it down the step lane by path."""
+        if not self.engine_config.enable_lora:
+            return None
+        bank = self.__dict__.get("_lora_bank")
+        if bank is None:
+            bank = self._lora_bank = LoraBank([self])
+        return bank
 
     def lora_trees(self) -> list[Any]:
         """The weight trees this engine hands its programs that hold the LoRA bank (lora_bank.py writes

@@ -19,8 +19,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
+
+from .registry import architecture_for
+from .sharding import spec_for
 
 # The projections an adapter may target, by their module names in Hugging Face Llama checkpoints (PEFT's
 # target_modules use the same names).
@@ -60,19 +64,39 @@ def attach_bank(model: Any, slots: int, rank: int) -> None:
     if slots < 1 or rank < 1:
         raise ValueError(f"a LoRA bank needs slots >= 1 and rank >= 1, got {slots} and {rank}")
     dtype = model.dtype
+    rules = None
     for _, name, lin in projections(model):
         din, dout = target_shape(model.config, name)
         # committed where the kernel is, as a bank write's result will be: jit keys on committedness, and
         # an uncommitted first value would make the first load recompile every program
         where = getattr(lin.kernel[...], "sharding", None)
-        if isinstance(where, NamedSharding):  # the engine places the bank by its own rules afterwards
-            where = NamedSharding(where.mesh, PartitionSpec())
-        a, b = jnp.zeros((slots, din, rank), dtype), jnp.zeros((slots, rank, dout), dtype)
-        if where is not None:
-            a, b = jax.device_put(a, where), jax.device_put(b, where)
+        shapes = {"lora_a": (slots, din, rank), "lora_b": (slots, rank, dout)}
+        if isinstance(where, NamedSharding):
+            # already where the engine's rules put the bank (placing it again moves nothing), each process
+            # filling only its own devices' zeros: no program and no collective, so a multi-host leader
+            # builds its engine before its workers do (vsurge/multihost) without waiting for them
+            rules = rules or architecture_for(model.config.model_type).partition_rules
+            block = "self_attn" if name in ATTENTION_TARGETS else "mlp"
+            a, b = (
+                _zeros(
+                    shape,
+                    dtype,
+                    NamedSharding(where.mesh, spec_for(f"{block}/{name}/{k}", shape, where.mesh, rules)),
+                )
+                for k, shape in shapes.items()
+            )
+        else:
+            a, b = (jnp.zeros(shape, dtype) for shape in shapes.values())
+            if where is not None:
+                a, b = jax.device_put(a, where), jax.device_put(b, where)
         # nnx.data: a new attribute of an existing module is static unless marked as data
         lin.lora_a = nnx.data(nnx.Param(a))
         lin.lora_b = nnx.data(nnx.Param(b))
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.Array:
+    zeros = np.zeros(shape, dtype)  # untouched pages: each process reads only its shards' views
+    return jax.make_array_from_callback(shape, sharding, lambda index: zeros[index])
 
 
 def detach_bank(model: Any) -> None:

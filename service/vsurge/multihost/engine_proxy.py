@@ -49,10 +49,16 @@ LANE_METHODS = frozenset(
         # vEngine.mixed (max_num_batched_tokens on vdriver: prompts prefilled inside the decode steps)
         "mixed.step",
         "mixed.seat",
+        # the LoRA bank (engines/lora_bank.py): an adapter's host weights cross once, when it is added
+        # (stage); a slot is then written from each process's copy (load), every shard where it lives
+        "lora_bank.stage",
+        "lora_bank.unstage",
+        "lora_bank.load",
+        "lora_bank.warm",
     }
 )
 # Calls that may run for minutes (compiling): bounded by the start timeout, not the step bound.
-LONG_METHODS = frozenset({"compile", "warm_structured", "warm_chunked"})
+LONG_METHODS = frozenset({"compile", "warm_structured", "warm_chunked", "lora_bank.warm"})
 # Host-only computations from the engine's settings and host mirrors: the leader's engine answers alone.
 LOCAL_METHODS = frozenset(
     {
@@ -90,7 +96,7 @@ LOCAL_ATTRIBUTES = frozenset(
         "mixed.shapes",
     }
 )
-SUB_OBJECTS = frozenset({"mixed", "speculator"})
+SUB_OBJECTS = frozenset({"mixed", "speculator", "lora_bank"})
 # Attributes a driver sets on its engine (oDriver drops compile()'s spare state once it runs).
 SETTABLE = frozenset({"_spare"})
 

@@ -60,7 +60,7 @@ def start_group(cfg: Any, env: Mapping[str, str] | None = None) -> GroupStart | 
 def refuse_unsupported(cfg: Any) -> None:
     """Engine features a multi-host group cannot run in lockstep are refused at start, by name. Every
     feature of both drivers crosses the lane today (mixed steps, in-place prefill, speculative decoding,
-    structured output, int8), so this only checks what a group needs of its mesh."""
+    structured output, int8, LoRA adapters), so this only checks what a group needs of its mesh."""
     if not cfg.mesh:
         raise ValueError("a multi-host group needs --mesh / VSURGE_MESH covering every device of the group")
 
