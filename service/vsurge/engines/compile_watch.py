@@ -20,7 +20,7 @@ __all__ = ["compiled_during"]
 
 _EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
-_watchers: list[list[tuple[str, float]]] = []
+_watchers: dict[int, list[tuple[str, float]]] = {}  # by id: two watches' lists may be equal, not the same
 _registered = False
 
 
@@ -28,7 +28,7 @@ def _listen(event: str, seconds: float, **kw: Any) -> None:
     if event != _EVENT:
         return
     with _lock:
-        for seen in _watchers:
+        for seen in _watchers.values():
             seen.append((str(kw.get("fun_name", "?")), float(seconds)))
 
 
@@ -41,9 +41,9 @@ def compiled_during() -> Iterator[list[tuple[str, float]]]:
             jax.monitoring.register_event_duration_secs_listener(_listen)
             _registered = True
         seen: list[tuple[str, float]] = []
-        _watchers.append(seen)
+        _watchers[id(seen)] = seen
     try:
         yield seen
     finally:
         with _lock:
-            _watchers.remove(seen)
+            del _watchers[id(seen)]
