@@ -2,8 +2,8 @@
 names, and the operator puts the adapters in the pods' `vsurge serve` flags and reports them in status.
 
 The pod's server is a stand-in at the pod's IP on the model port (11556) answering `GET /v1/models` with
-the adapters as model objects whose `parent` is the base, which is the contract of `vsurge serve --lora`;
-the real server's adapter support is built on another branch.
+the adapters as model objects whose `parent` is the base, which is the contract of `vsurge serve --lora`
+(tests/server/test_server_lora.py holds the real server to it); the kit runs no pods of its own.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from ..engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
 from ..models.lora import attach_bank, detach_bank
 from ..models.sharding import place_params
 from ..models.target import target_backend
+from .cache_reads import serialize_cache_reads
 from .chunked_prefill import ChunkedPrefill
 from .lora_bank import LoraBank
 from .sampling import SlotSampling, sample, set_slot, sharded_sampling
@@ -296,6 +297,7 @@ def compile_jobs(
         fn.lower(*args).compile()
         return name, time.perf_counter() - tic
 
+    serialize_cache_reads()  # XLA:CPU crashed deserializing two cached programs at once (cache_reads.py)
     out = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for name, sec in pool.map(build, jobs):

@@ -1,0 +1,35 @@
+"""One read of JAX's persistent compilation cache at a time, in the whole process.
+
+Start-up compiles its programs on parallel threads (`engine_base.compile_jobs`), and with a warm cache
+most of them are reads: each deserializes a cached executable. XLA:CPU crashed the process (SIGSEGV) with
+two threads inside ``backend.deserialize_executable`` at once (a clean-clone `make test`, 2026-12-06:
+both threads of one engine's compile pool in ``compilation_cache.get_executable_and_time``). A read takes
+milliseconds against the compile it saves, so reads take turns; compiles, the long part, stay parallel.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+__all__ = ["serialize_cache_reads"]
+
+_lock = threading.Lock()
+
+
+def serialize_cache_reads() -> None:
+    """Make every persistent-cache read of this process hold one lock (idempotent)."""
+    from jax._src import compilation_cache as cache  # JAX reads through this module's attribute
+
+    read = cache.get_executable_and_time
+    if getattr(read, "vsurge_serialized", False):
+        return
+
+    @functools.wraps(read)
+    def one_at_a_time(*args: Any, **kwargs: Any) -> Any:
+        with _lock:
+            return read(*args, **kwargs)
+
+    one_at_a_time.vsurge_serialized = True  # type: ignore[attr-defined]
+    cache.get_executable_and_time = one_at_a_time
