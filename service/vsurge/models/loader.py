@@ -148,7 +148,10 @@ def place(arr: np.ndarray, sharding: jax.sharding.Sharding, dtype: Any = None) -
     A matrix stored the other way round (HF's [out, in] kernels, ``arr`` their transposed view) is placed
     as stored, then transposed and converted on the device: numpy's transposing copy of a memory-mapped 2.5
     GB model took 7.3 of the 12.3 s of a load here, where the device does both at memory speed."""
-    flipped = _flipped(sharding) if arr.ndim == 2 and not arr.flags.c_contiguous else None
+    # only where this process holds every device: on a multi-host mesh a program's first run waits for
+    # every process, and a leader whose worker failed to load would wait there instead of exiting
+    local = sharding.is_fully_addressable
+    flipped = _flipped(sharding) if local and arr.ndim == 2 and not arr.flags.c_contiguous else None
     if flipped is not None and arr.T.flags.c_contiguous:
         return _transposed(sharding, None if dtype is None else np.dtype(dtype))(place(arr.T, flipped))
 
