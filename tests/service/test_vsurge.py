@@ -898,12 +898,13 @@ def test_no_compilation_on_live_requests(tiny, dtypes):
         model, tok, max_concurrent_decodes=slots, prefill_lengths=BUCKETS, max_length=MAX_LEN, **dtypes
     )
     s.compile()
-    # start-up compiled every engine program in its parallel pool: what compiled after it, one at a
-    # time, is only the small eager helpers (an index into a prefix), none of the engine's programs
+    # start-up's parallel pool compiled each of its programs with the signature live calls use: nothing it
+    # compiled compiles again after it (on TPU the pool also holds insert and the first-token samplers;
+    # on CPU those compile on their first run: dense_warmup.compile_engine)
     report = s.driver.engines[0].compile_report
     late = {name for name, _ in report["after_pool"]}
     assert not late & set(report["pool"]), report
-    assert not [n for n in late if n.endswith("_impl)")], report
+    assert "jit(_prefill_impl)" in report["pool"] and "jit(_extend_impl)" in report["pool"], report
     compiled = compiled_while_serving(s)
     assert not compiled, compiled
 
