@@ -9,6 +9,24 @@ import os
 
 import torch
 
+
+def bank_config(driver: str, **settings):
+    """The engine every LoRA parity test serves ADAPTERS on: a bank of 3 slots (all resident at once) of
+    rank 16, 4 decode slots, 64 positions, prefill buckets 16 and 32; ``settings`` add to it."""
+    from vsurge.engine_config import EngineConfig
+
+    return EngineConfig(
+        driver=driver,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=16,
+        max_concurrent_decodes=4,
+        max_length=64,
+        prefill_lengths=(16, 32),
+        **settings,
+    )
+
+
 # (rank, alpha, target modules, rslora) of the adapters the LoRA tests serve: different ranks, targets and
 # scalings, so a mix-up of slots, ranks or scaling shows in the logits
 ADAPTERS = {

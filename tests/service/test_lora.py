@@ -17,6 +17,7 @@ from lora_adapters import (
     NAMES,
     PROMPTS,
     adapter_setup,
+    bank_config,
     collect,
     ids_request,
     make_adapter,
@@ -100,16 +101,7 @@ def served(request, setup):
     and the base in one batch fit only with... 3: every adapter resident at once)."""
     path, _, adapters = setup
     model, tok = vsurge.load_model(path)
-    config = vsurge.EngineConfig(
-        driver=request.param,
-        enable_lora=True,
-        max_loras=3,
-        max_lora_rank=16,
-        max_concurrent_decodes=4,
-        max_length=64,
-        prefill_lengths=(16, 32),
-        **({"page_size": 8} if request.param == "odriver" else {}),
-    )
+    config = bank_config(request.param, **({"page_size": 8} if request.param == "odriver" else {}))
     surge = vSurge.create(model, tok, config)
     surge.compile()
     surge.start()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from jit_watch import compilations
-from lora_adapters import ADAPTERS, NAMES, PROMPTS, TOKENS, adapter_setup, reference, run_all
+from lora_adapters import ADAPTERS, NAMES, PROMPTS, TOKENS, adapter_setup, bank_config, reference, run_all
 
 import vsurge
 from vsurge.surge import vSurge
@@ -103,16 +103,7 @@ def served(request, setup):
     path, _, adapters = setup
     driver, settings = VARIANTS[request.param]
     model, tok = vsurge.load_model(path)
-    config = vsurge.EngineConfig(
-        driver=driver,
-        enable_lora=True,
-        max_loras=3,
-        max_lora_rank=16,
-        max_concurrent_decodes=4,
-        max_length=64,
-        prefill_lengths=(16, 32),
-        **settings,
-    )
+    config = bank_config(driver, **settings)
     surge = vSurge.create(model, tok, config)
     surge.compile()
     calls: Counter = Counter()

@@ -20,7 +20,7 @@ import httpx
 import jax
 import numpy as np
 import pytest
-from lora_adapters import ADAPTERS, adapter_setup, run_all
+from lora_adapters import ADAPTERS, adapter_setup, bank_config, run_all
 from multihost_group import Group, client
 from test_multihost_lane import Pair
 
@@ -223,7 +223,6 @@ def test_a_driver_over_the_lane_serves_adapters_and_the_worker_keeps_up(setup, t
     each row under its adapter) equals the worker's replay of it, so every adapter slot crossed."""
     from lora_adapters import NAMES, PROMPTS, reference
 
-    from vsurge.engine_config import EngineConfig
     from vsurge.multihost.lockstep_surge import leader_surge
 
     model, tok, adapters = tiny_lora
@@ -231,16 +230,7 @@ def test_a_driver_over_the_lane_serves_adapters_and_the_worker_keeps_up(setup, t
     pair.start_worker()
     pair.lane.wait_workers("loaded", 60, "load")
     knobs = {"page_size": 8} if driver == "odriver" else {}
-    config = EngineConfig(
-        driver=driver,
-        enable_lora=True,
-        max_loras=3,
-        max_lora_rank=16,
-        max_concurrent_decodes=4,
-        max_length=64,
-        prefill_lengths=(16, 32),
-        **knobs,
-    )
+    config = bank_config(driver, **knobs)
     surge = leader_surge(model, tok, config, pair.lane)
     try:
         surge.compile()
