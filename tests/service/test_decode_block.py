@@ -1,15 +1,21 @@
 """Decode blocks (decode_steps > 1): K steps per program give the tokens of K single steps, to the token."""
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
 from jit_watch import compilations
 
 import vsurge
+from vsurge.drivers.active_request import ActiveRequest
+from vsurge.drivers.lanes import FirstToken, PrefilledPack
+from vsurge.drivers.pipeline import drain
+from vsurge.drivers.transfer import transfer_group
 from vsurge.engine_config import EngineConfig
 from vsurge.models import greedy_generate
 from vsurge.request import vSurgeRequest
+from vsurge.sampling_params import SamplingParams
 from vsurge.surge import vSurge
 
 
@@ -144,3 +150,36 @@ def test_run_ahead_counts_decode_steps_not_blocks(tiny, steps, ahead, items):
         decode_steps=steps, detokenizing_blocks=ahead,
     )  # fmt: skip
     assert [slots.lane.detok.maxsize for slots in s.driver._slots] == [items]
+
+
+def test_first_tokens_of_a_burst_pass_a_full_detokenize_queue(tiny):
+    # The detokenize queue's bound holds back decode steps (the step thread's run-ahead), not first
+    # tokens already on the host. When the transfer thread queued them under that bound, each waited for
+    # the detokenizer to read a decode block off the device: on the 8B chip run a 64-prompt burst reached
+    # its slots in four waves 0.8 s apart. Here the queue is full and nothing drains it: the transfer of a
+    # two-prompt pack must still stream both first tokens and hand both requests to the step thread.
+    model, tok = tiny
+    s = vSurge.create_vdriver(
+        model, tok, max_concurrent_decodes=4, prefill_lengths=[16], max_length=32,
+        decode_steps=4, detokenizing_blocks=1,
+    )  # fmt: skip
+    driver, engine = s.driver, s.driver._slots[0].engine
+    lane = driver._slots[0].lane
+    blocker = object()
+    lane.detok.put(blocker)
+    assert lane.detok.full()
+    reqs = [ActiveRequest([5, 6, 7 + i], SamplingParams(max_tokens=4, temperature=0.0)) for i in range(2)]
+    prefix = engine.prefill_many([r.prompt_ids for r in reqs], [r.params for r in reqs])
+    driver.pipeline.live = True  # the backlog takes puts only while the pipeline runs; no thread is started
+    try:
+        t = threading.Thread(target=transfer_group, args=(driver, [PrefilledPack(reqs, engine, prefix)]))
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive(), "the transfer waited for room in the detokenize queue"
+    finally:
+        driver.pipeline.live = False
+    queued = drain(lane.detok)
+    assert queued[0] is blocker
+    assert [type(x) for x in queued[1:]] == [FirstToken, FirstToken]
+    assert [x.owner.req for x in queued[1:]] == reqs
+    assert [x.req for x in drain(lane.backlog)] == reqs

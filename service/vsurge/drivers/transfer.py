@@ -121,8 +121,7 @@ def _stream_firsts(driver: Any, s: _Started) -> list[list | None]:
         if out[j] is None:
             continue
         for i, first in enumerate(out[j]):
-            # sent before the request reaches the backlog, so it precedes every step holding its tokens
-            if not driver.pipeline.put(s.dest.lane.detok, FirstToken(SlotOwner(req, i, None), first)):
-                out[j] = None
-                break
+            # sent before the request reaches the backlog, so it precedes every step holding its tokens;
+            # past the queue's bound: the bound holds back decode steps, not tokens already on the host
+            s.dest.lane.detok.put_past_bound(FirstToken(SlotOwner(req, i, None), first))
     return out
