@@ -119,6 +119,7 @@ def warm_start(args) -> None:
     surge = vsurge.vSurge.create(model, tok, engine_config(path, args.batch, args.max_length))
     surge.compile()
     OUT["compile_s"] = time.perf_counter() - t1
+    OUT["compile_report"] = getattr(surge.driver.engines[0], "compile_report", None)
     surge.start()
     fixed, _ = workloads(model.config.vocab_size, 1, 16, 4, 64)
     OUT["first_request"] = run_requests(surge, *fixed, max_in_flight=1, deadline=time.perf_counter() + 60)

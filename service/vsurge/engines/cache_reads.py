@@ -5,6 +5,8 @@ most of them are reads: each deserializes a cached executable. XLA:CPU crashed t
 two threads inside ``backend.deserialize_executable`` at once (a clean-clone `make test`, 2026-12-06:
 both threads of one engine's compile pool in ``compilation_cache.get_executable_and_time``). A read takes
 milliseconds against the compile it saves, so reads take turns; compiles, the long part, stay parallel.
+Only on CPU (`engine_base.compile_jobs`): a TPU read loads the executable onto the chip, and taking turns
+made a second start of the 1B shape read its programs in 57 s instead of 22 s.
 """
 
 from __future__ import annotations
