@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-from xla_flags import xla_flags
 
 SERVE = [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())", "serve"]
 # 2 shared cores, several engineers' tests beside these: a starved process may not beat for seconds, so
@@ -50,7 +49,7 @@ def write_secret(directory: Path) -> Path:
 def base_env(devices: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VSURGE_", "LWS_", "TPU_"))}
     env.update(
-        XLA_FLAGS=xla_flags(devices),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         VSURGE_LANE_TIMEOUT_S=str(TEST_LANE_TIMEOUT_S),
