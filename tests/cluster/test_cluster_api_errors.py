@@ -165,6 +165,7 @@ def test_500_and_409_from_the_server_are_retried_and_converge(k8s, namespace, tm
         )
         creates = [code for o, n, code in webhook.seen if o == "CREATE"]
         assert creates[:3] == [500, 409, 200], webhook.seen
+
         # kopf posts events from a queue of its own, after the handler returned: wait for both.
         def both_reported() -> bool:
             warnings = [e["message"] for e in events(api, namespace, "ApiError")]

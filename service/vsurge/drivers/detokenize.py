@@ -12,6 +12,9 @@ A window that starts on a <0xAB> byte-fallback token gets one plain token (the *
 the context and in the window alike. Byte-fallback decoders fuse a run of byte tokens into one piece, and
 SentencePiece's Metaspace decoder drops every "▁" of the first piece: without the anchor, a byte-encoded
 "▁" in a run that the window starts inside of would be dropped here but kept as a space in the full text.
+The one run where the full text drops them too is the text's own first piece: a window starting inside
+the run of byte tokens that opens the text is decoded from the text's start instead (exact for every
+decoder; that run is short in practice: a prompt opens with BOS or a template).
 
 The concatenation of everything ``add`` returned plus ``flush()`` equals
 ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`` of the generated
@@ -94,6 +97,9 @@ class IncrementalDetokenizer:
         except (AttributeError, TypeError):  # no vocabulary to read: no byte pieces to guard against
             self._byte_ids, self._anchor = frozenset(), None
         self.token_ids: list[int] = [int(t) for t in (prompt_ids or ())]
+        # How many byte pieces open the text (the first piece of a byte-fallback decode; see above).
+        self._leading_bytes = 0
+        self._count_leading_bytes()
         self.num_prompt_tokens = len(self.token_ids)
         self.prefix_offset = max(len(self.token_ids) - INITIAL_CONTEXT_TOKENS, 0)
         self.read_offset = len(self.token_ids)
@@ -117,6 +123,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes ('' while a character is incomplete)."""
         self.token_ids.append(int(token_id))
+        self._count_leading_bytes()
         window = self._text(self.prefix_offset, len(self.token_ids))
         start = len(self._context_text) + self._released
         if window.endswith(_REPLACEMENT):
@@ -144,8 +151,17 @@ class IncrementalDetokenizer:
         self._released = 0
         return out
 
+    def _count_leading_bytes(self) -> None:
+        ids = self.token_ids
+        while self._leading_bytes < len(ids) and ids[self._leading_bytes] in self._byte_ids:
+            self._leading_bytes += 1
+
     def _text(self, start: int, end: int) -> str:
-        """decode(token_ids[start:end]), the anchor in front when ``start`` falls on a byte piece."""
+        """decode(token_ids[start:end]), the anchor in front when ``start`` falls on a byte piece; from the
+        text's start when ``start`` falls inside the byte run that opens the text (the context and the window
+        of one step agree: the run can only grow past a ``start`` that was already inside it)."""
+        if start <= self._leading_bytes:
+            start = 0
         ids = self.token_ids[start:end]
         if start > 0 and self._anchor is not None and ids and ids[0] in self._byte_ids:
             ids = [self._anchor, *ids]
