@@ -49,7 +49,7 @@ def write_secret(directory: Path) -> Path:
 def base_env(devices: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VSURGE_", "LWS_", "TPU_"))}
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         VSURGE_LANE_TIMEOUT_S=str(TEST_LANE_TIMEOUT_S),
