@@ -94,3 +94,27 @@ def test_sharded_checkpoint_with_index(tiny_checkpoint, tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits.numpy()
     assert np.abs(logits(model, ids) - ref).max() / np.abs(ref).max() < 1e-4
+
+
+def test_the_forward_traces_one_layer_for_all_of_them(tiny_checkpoint):
+    """Every decoder layer has the same shapes, so the forward lowers one layer function and calls it per
+    layer (a warm start lowers every program before it can read the persistent cache: tracing each layer
+    again made that most of the start). The compiled program still holds every layer (XLA inlines)."""
+    import jax
+    from flax import nnx
+
+    from vsurge.models.reference import _decode
+
+    path, _ = tiny_checkpoint("llama")
+    model, _ = vsurge.load_model(path)
+    layers = model.config.num_layers
+    assert layers >= 2
+    graphdef, state = nnx.split(model)
+    caches = [
+        (np.zeros((2, 16, model.config.num_kv_heads * model.config.head_dim), np.float32),) * 2
+        for _ in range(layers)
+    ]
+    text = _decode.lower(graphdef, state, caches, np.zeros(2, np.int32), np.zeros(2, np.int32)).as_text()
+    applies = [line for line in text.splitlines() if "func.func private @apply" in line]
+    calls = text.count("call @apply(")
+    assert len(applies) == 1 and calls == layers, (applies, calls)
