@@ -100,7 +100,6 @@ def test_the_forward_traces_one_layer_for_all_of_them(tiny_checkpoint):
     """Every decoder layer has the same shapes, so the forward lowers one layer function and calls it per
     layer (a warm start lowers every program before it can read the persistent cache: tracing each layer
     again made that most of the start). The compiled program still holds every layer (XLA inlines)."""
-    import jax
     from flax import nnx
 
     from vsurge.models.reference import _decode
