@@ -36,6 +36,21 @@ _hypothesis.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True, scope="module")
+def _unconfigured_attention():
+    """Each test file starts with no attention path configured. An engine's `pallas_sharded.configure`
+    sets the process's path and mesh (one engine a process in service); a file that built a tp=2 oEngine
+    left its mesh to whichever file ran next on that worker, and a test passing ``mesh=None`` to the
+    kernel then got tp=2 (found when the file order changed, tests/file_seconds.py)."""
+    ps = sys.modules.get("vsurge.models.pallas_sharded")
+    if ps is not None:
+        ps.reset()
+    yield
+    ps = sys.modules.get("vsurge.models.pallas_sharded")
+    if ps is not None:
+        ps.reset()
+
+
+@pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Free the programs a test file compiled once it is done. Every XLA:CPU executable holds dozens of
     memory mappings and engines keep theirs alive through reference cycles and JAX's caches: one file of
@@ -65,3 +80,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gone = stale(SLOW, {item.nodeid for item in items})
     if gone:
         raise pytest.UsageError("tests/slow_list.py names tests that were not collected: " + ", ".join(gone))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import file_seconds
+
+    # its own plugin: a second collection hook, after -m has deselected (this one runs before)
+    config.pluginmanager.register(file_seconds, "file_seconds")

@@ -69,4 +69,7 @@ class FileScheduling(LoadFileScheduling):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> FileScheduling:
+    # the collection order is the schedule (longest files first, tests/file_seconds.py): xdist's own
+    # reordering (most tests first) would put the few-test, longest files last
+    config.option.loadscopereorder = False
     return FileScheduling(config, log)
