@@ -20,7 +20,6 @@ from .quantization import check_quantization, embed_rows, int8_matmul
 from .registry import register_architecture
 from .rope import apply_rope, inverse_frequencies
 from .sharding import LLAMA_RULES
-from .target import target_backend
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jnp.ndarray:
@@ -149,23 +148,18 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-def _trace_once() -> bool:
-    """Off TPU, trace one layer for all of them: every layer has the same structure and shapes, so a jitted
-    layer is traced and lowered once and called L times (XLA inlines the calls). Tracing the default
-    model's 30 layers was most of a warm start on CPU (lowering 9.4 -> 3.3 s). On a TPU the inlined calls
-    cost the decode step 3.2-3.9% (1b64 at batch 64, measured A/B on one v5e: 5.55 vs 5.38 ms), so
-    programs built for a TPU (this process's, or one being lowered for) trace every layer."""
-    return target_backend() != "tpu"
-
-
 def _one_traced_layer(layers, positions, backend, meta, lora):
+    """Every decoder layer has the same structure and shapes: the layer is traced once and its equations
+    are inlined for each layer (`jax.jit(inline=True)`), so the program is the unrolled stack, as if each
+    layer were traced (tracing the default model's 30 layers was most of a warm start: lowering 9.4 ->
+    3.3 s on CPU). Not a call per layer: XLA inlines calls too, but on a TPU that program's decode step
+    ran 3.2-3.9% slower than the unrolled one (1b64, batch 64, A/B on one v5e)."""
     graphdef = nnx.graphdef(layers[0])
 
-    @jax.jit
     def apply(state, x, cache):
         return nnx.merge(graphdef, state)(x, positions, backend, cache, meta, lora)
 
-    return apply
+    return jax.jit(apply, inline=True)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -197,13 +191,10 @@ class LlamaForCausalLM(nnx.Module):
         None: no adapter anywhere (what every program passes when the engine has no bank)."""
         x = self.model.embed_tokens(tokens)
         layers = self.model.layers
-        run = _one_traced_layer(layers, positions, backend, meta, lora) if _trace_once() else None
+        run = _one_traced_layer(layers, positions, backend, meta, lora)
         new_caches = []
         for layer, cache in zip(layers, caches, strict=True):
-            if run is None:
-                x, cache = layer(x, positions, backend, cache, meta, lora)
-            else:
-                x, cache = run(nnx.state(layer), x, cache)
+            x, cache = run(nnx.state(layer), x, cache)
             new_caches.append(cache)
         return self.model.norm(x), new_caches
 
