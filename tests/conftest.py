@@ -65,7 +65,7 @@ def _release_compiled_programs():
         gc.collect()
 
 
-# `make test` runs the suite on two pytest-xdist workers, whole files per worker (tests/xdist_files.py)
+# `make test` runs the suite on pytest-xdist workers, whole files per worker (tests/xdist_files.py)
 from xdist_files import pytest_xdist_make_scheduler  # noqa: E402, F401 - a hook pytest finds here
 
 

@@ -2,10 +2,10 @@
 
 xdist's file scheduler hands out files in collection order (or, by default, most tests first): the
 costliest files, a few tests each (the multi-host groups, structured output on the default model), then
-started last and one worker ran them alone at the end while the other idled. tests/conftest.py orders the
-collected files by these seconds, longest first (xdist's reordering off, tests/xdist_files.py), and each
-worker takes the next file when it is free: the longest-first rule that packs two workers within one
-file's time of the ideal. A file missing here counts as `UNKNOWN_S`; stale numbers only cost speed.
+started last and one worker ran them alone at the end while the other idled. The hook below (registered
+by tests/conftest.py) orders the collected files by these seconds, longest first (xdist's reordering
+off, tests/xdist_files.py), and each worker takes the next file when it is free: the longest-first rule
+that packs the workers within one file's time of the ideal. A file missing here counts as `UNKNOWN_S`; stale numbers only cost speed.
 
 Refresh from the junit files of a full run and a `make test-fast` run:
 
