@@ -41,13 +41,15 @@ def _unconfigured_attention():
     sets the process's path and mesh (one engine a process in service); a file that built a tp=2 oEngine
     left its mesh to whichever file ran next on that worker, and a test passing ``mesh=None`` to the
     kernel then got tp=2 (found when the file order changed, tests/file_seconds.py)."""
-    ps = sys.modules.get("vsurge.models.pallas_sharded")
-    if ps is not None:
-        ps.reset()
+
+    def reset() -> None:
+        ps = sys.modules.get("vsurge.models.pallas_sharded")
+        if ps is not None:
+            ps.reset()
+
+    reset()
     yield
-    ps = sys.modules.get("vsurge.models.pallas_sharded")
-    if ps is not None:
-        ps.reset()
+    reset()
 
 
 @pytest.fixture(autouse=True, scope="module")

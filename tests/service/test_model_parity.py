@@ -1,5 +1,6 @@
 """Our JAX models against transformers (PyTorch CPU) on the same random weights."""
 
+import contextlib
 import json
 import os
 
@@ -126,10 +127,9 @@ def test_the_forward_traces_one_layer_and_inlines_it_for_every_layer(tiny_checkp
         traced.clear()
         return jax.jit(_decode.__wrapped__, static_argnums=0).lower(*args).as_text()
 
-    for text in (lowered(), None):
-        if text is None:
-            with tpu_lowering.targeting("v5e"):
-                text = lowered()
+    for target in (contextlib.nullcontext(), tpu_lowering.targeting("v5e")):
+        with target:
+            text = lowered()
         assert len(traced) == 1, traced  # one trace of the layer for all of them
         assert "@apply" not in text and "func.func private @_one" not in text  # no call per layer
         assert text.count("stablehlo.rsqrt") == 2 * layers + 1  # each layer's two norms and the final one
