@@ -159,6 +159,7 @@ def join(group: ProcessGroup, lane_timeout_s: float = DEFAULT_LANE_TIMEOUT_S) ->
     """
     import jax
 
+    from .cpu_cache_keys import share_cpu_cache_keys
     from .cpu_programs import serialize_cpu_programs
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -190,6 +191,7 @@ def join(group: ProcessGroup, lane_timeout_s: float = DEFAULT_LANE_TIMEOUT_S) ->
         )
     if jax.default_backend() == "cpu":
         serialize_cpu_programs()
+        share_cpu_cache_keys()
     log.info(
         "joined process group: process %d of %d (%s), %d of %d devices here",
         group.process_id,
