@@ -79,12 +79,15 @@ def _release_compiled_programs():
     live session-scoped engine recompiles what it next runs from the persistent cache.
 
     Releasing costs a full collection and JAX's cache clear (0.5-3.5 s a file, measured): below the
-    thresholds the file's garbage is left to Python's own collections. What survives a release lives on
-    (imports, session fixtures), so it is frozen out of every later collection (`pytest_collection_finish`)."""
+    thresholds the file's garbage is left to Python's own collections. What survives a release is mostly
+    what lives all session (imports, session fixtures), so it is frozen out of the collections until the
+    next release, which first unfreezes it: anything frozen that has become garbage since (a test's
+    arguments pytest still held) is found there, not kept for good."""
     yield
     maps, resident = _held()
     if maps and maps < RELEASE_AT_MAPS and resident < RELEASE_AT_BYTES:
         return
+    gc.unfreeze()
     gc.collect()
     jax = sys.modules.get("jax")
     if jax is not None:
