@@ -4,8 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 # pytest-xdist workers: the suite waits on servers and subprocesses part of the time, so three workers
-# on 2 cores keep both busy (make test 19:16 with two, 15:22 with three and the files longest first,
-# 19:01 on a slower VM; peak memory 15 GB of 24); TEST_WORKERS=0 runs it in one process
+# on 2 cores keep both busy (make test 19:16 with two, 15:22 with three and the files longest first;
+# 14:14 with fewer collections, docs/development.md; peak memory 15 GB of 24); TEST_WORKERS=0 runs it
+# in one process
 TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
