@@ -120,6 +120,16 @@ def table(results: dict[str, Any]) -> str:
             f"compile {warm.get('compile_s', 0):.1f} s, ready {warm.get('ready_s', 0):.1f} s after the backend "
             f"({warm.get('ready_from_process_s', 0):.1f} s from process start, backend init {warm.get('backend_init_s', 0):.1f} s)"
         )
+        if warm.get("compile_breakdown"):
+            lines.append(
+                f"its compile, by JAX's events (sum / count / wall): {json.dumps(warm['compile_breakdown'])}"
+            )
+    for shape, res in results.get("shapes", {}).items():
+        for run in res.get("runs", []):
+            if run.get("compile_breakdown"):
+                lines.append(
+                    f"{shape} {run['path']} cold compile by JAX's events: {json.dumps(run['compile_breakdown'])}"
+                )
     return "\n".join(lines)
 
 
