@@ -181,9 +181,6 @@ def validate(
     _validate_engine(c, c.mapping(spec.get("engine"), "spec.engine"))
     served = (model.get("servedName") or name) if isinstance(model, Mapping) else name
     adapters.validate(c, spec, served)
-    engine = spec.get("engine")
-    if spec.get("adapters") and isinstance(engine, Mapping) and engine.get("layerScan") == "on":
-        c.fail("spec.engine.layerScan", "on stacks the layers, and spec.adapters need one module per layer")
     placement = _validate_tpu(c, spec.get("tpu"))
     gpus = _validate_gpu(c, spec.get("gpu"))
     if spec.get("tpu") is not None and spec.get("gpu") is not None:

@@ -88,13 +88,6 @@ def resolve(
                     else "steps are long enough for the host to keep up token by token"
                 )
             )
-        elif f.name == "layer_scan":
-            why = (
-                "one layer to compile per program: a v5e start compiled 35 s instead of 73, each decode step "
-                "~24% slower (1B, bf16)"
-                if value == "on"
-                else "stacked weights cost a v5e decode step ~24% (1B, bf16); --layer-scan on halves a start"
-            )
         elif f.name == "driver" and source == "default":
             why = (
                 "dense rows measured fastest on TPU (v5e, 1B: 4.7 ms/step, 79% of HBM roofline, against 6.4 "

@@ -144,13 +144,6 @@ BAD = [
         _with("spec.tolerations", [{"key": "k", "tolerationSeconds": "5"}]),
     ),
     ("spec.engine.mesh", _with("spec.engine", {"mesh": "tp=1," * 12 + "dp=1"})),  # maxLength 64
-    ("spec.engine.layerScan", _with("spec.engine", {"layerScan": "on", "driver": "odriver"})),
-    (
-        "spec.engine.layerScan",
-        _with(
-            "spec.adapters", [{"name": "a", "source": "hf://o/a"}], _with("spec.engine", {"layerScan": "on"})
-        ),
-    ),
 ]
 
 

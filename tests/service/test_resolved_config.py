@@ -73,11 +73,3 @@ def test_tpu_compiles_fewer_shapes():
     assert default_prefill_lengths(1024, "tpu") == [128, 256, 512, 1024]
     assert default_prefill_lengths(1024, "cpu") == [32, 64, 128, 256, 512, 1024]
     assert row_buckets(256, 1, "tpu") == [8, 32, 128, 256] and row_buckets(4, 1, "tpu") == [4]
-
-
-def test_the_layer_scan_is_off_unless_asked_and_says_what_it_costs():
-    rows = _by_name(resolve(EngineConfig(), "tpu", _hd64()))
-    assert rows["layer_scan"].value == "off" and rows["layer_scan"].source == "default"
-    assert "decode step" in rows["layer_scan"].why
-    rows = _by_name(resolve(EngineConfig(layer_scan="on"), "tpu", _hd64()))
-    assert rows["layer_scan"].source == "set" and "compile" in rows["layer_scan"].why
