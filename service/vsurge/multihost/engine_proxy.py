@@ -221,20 +221,9 @@ def register_records() -> None:
     from ..engines.sampling import SampleResult, SlotSampling
     from ..engines.spec_verify import VerifyStep
     from ..engines.vengine import GenerationState, Prefix
-    from ..models.kv_stack import StackedKV
     from ..sampling_params import SamplingParams
 
-    records = (
-        GenerationState,
-        Prefix,
-        StackedKV,
-        PagedState,
-        SeqInputs,
-        SampleResult,
-        SlotSampling,
-        VerifyStep,
-    )
-    for cls in records:
+    for cls in (GenerationState, Prefix, PagedState, SeqInputs, SampleResult, SlotSampling, VerifyStep):
         wire.register(cls)
     wire.register(Chunk, "DenseChunk")
     wire.register(ChunkWork)
