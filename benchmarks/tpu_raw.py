@@ -63,35 +63,26 @@ def raw_loop(
     steps: int = 20,
     walk: int = 0,
     chunk: int | None = None,
-    layer_scan: str = "off",
 ) -> dict:
     """Seconds per step of the bare jitted decode step (greedy argmax) over ``batch`` rows at ``context``
     positions, with the attention and cache layout the engine of ``path`` uses. ``walk`` > 0: the rows
     start at ``context`` and advance one position a step for ``walk`` steps, as a fixed batch decodes
-    (the read grows with them); ``chunk``: the dense read's positions per step (default: the backend's).
-    vdriver's loop runs the layers as the engine will (``layer_scan``: on, stacked under one scan), on the
-    engine's stacked cache [S, L, M, KVH * D]."""
+    (the read grows with them); ``chunk``: the dense read's positions per step (default: the backend's)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from vsurge.models.attention import DenseDecodeAttention
-    from vsurge.models.kv_stack import StackedKV
-    from vsurge.models.layer_stack import stack_layers, unstack_layers
     from vsurge.models.paged_attention import PagedDecodeAttention
     from vsurge.models.pallas_sharded import configure
 
     cfg = model.config
-    if path == "vdriver" and layer_scan == "on":
-        stack_layers(model)
-    else:
-        unstack_layers(model)
     graphdef, params = nnx.split(model)
     dt = model.dtype
     if path == "vdriver":
         backend = DenseDecodeAttention(window=cfg.sliding_window, chunk=chunk)
-        shape = (batch, cfg.num_layers, max_length, cfg.num_kv_heads * cfg.head_dim)
-        caches = StackedKV(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+        shape = (batch, max_length, cfg.num_kv_heads * cfg.head_dim)
+        caches = tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers))
         meta_of = lambda pos: (pos, pos + 1)  # noqa: E731
     else:
         setup = configure("pallas" if path == "odriver-pallas" else "jax", None, cfg, dt)
@@ -108,7 +99,7 @@ def raw_loop(
         m = nnx.merge(graphdef, params)
         hidden, caches = m(tokens[:, None], pos[:, None], backend, caches, meta_of(pos))
         nxt = jnp.argmax(m.compute_logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
-        return caches if isinstance(caches, StackedKV) else tuple(caches), nxt, pos + (1 if walk else 0)
+        return tuple(caches), nxt, pos + (1 if walk else 0)
 
     step = jax.jit(step.__wrapped__, donate_argnums=(1,))
     tokens = jnp.ones((batch,), jnp.int32)

@@ -39,7 +39,6 @@ def save(path: str | None) -> None:
 
 from tpu_probes import Timeline, busy_rows_experiment, prefill_probe  # noqa: E402
 from tpu_raw import kv_bytes_per_token, param_count, raw_loop, weight_read_bytes  # noqa: E402
-from tpu_start_breakdown import StartBreakdown  # noqa: E402
 from tpu_workloads import mixed_limit, run_requests, workloads  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ engines
@@ -53,9 +52,8 @@ def engine_config(
     kw: dict[str, Any] = dict(max_concurrent_decodes=batch, max_length=max_length)
     if kv_cache_bytes and path != "vdriver":
         kw["kv_cache_bytes"] = kv_cache_bytes
-    if path.startswith("vdriver"):  # vdriver-scan: the layers under one scan (layer_scan=on)
-        scan = "on" if path == "vdriver-scan" else "off"
-        return EngineConfig(driver="vdriver", decode_steps=decode_steps, layer_scan=scan, **kw)
+    if path == "vdriver":
+        return EngineConfig(driver="vdriver", decode_steps=decode_steps, **kw)
     return EngineConfig(driver="odriver", attention="pallas" if path == "odriver-pallas" else "jax", **kw)
 
 
@@ -70,10 +68,8 @@ def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float, raw_w
     surge = vSurge.create(model, tok, cfg)
     out["build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    breakdown = StartBreakdown()
     surge.compile()
     out["compile_s"] = time.perf_counter() - t0
-    out["compile_breakdown"] = breakdown.close()
     engine = surge.driver.engines[0]
     out["compile_report"] = getattr(engine, "compile_report", None)
     if path == "vdriver" and time.perf_counter() < deadline:
@@ -116,7 +112,6 @@ def warm_start(args) -> None:
     jax.devices()
     OUT["backend_init_s"] = time.perf_counter() - t_init
     t0 = time.perf_counter()
-    breakdown = StartBreakdown()
     model, tok = vsurge.load_model(args.ckpt, quantization=args.quant)
     OUT["load_s"] = time.perf_counter() - t0
     path = args.paths.split(",")[0]
@@ -124,7 +119,6 @@ def warm_start(args) -> None:
     surge = vsurge.vSurge.create(model, tok, engine_config(path, args.batch, args.max_length))
     surge.compile()
     OUT["compile_s"] = time.perf_counter() - t1
-    OUT["compile_breakdown"] = breakdown.close()
     OUT["compile_report"] = getattr(surge.driver.engines[0], "compile_report", None)
     surge.start()
     fixed, _ = workloads(model.config.vocab_size, 1, 16, 4, 64)
@@ -286,9 +280,7 @@ def main(argv=None) -> int:
                 run["skipped"] = "deadline"
                 continue
             try:
-                dense = "vdriver" if path.startswith("vdriver") else path
-                scan = "on" if path == "vdriver-scan" else "off"
-                run["raw"] = raw_loop(model, dense, args.batch, context, args.max_length, layer_scan=scan)
+                run["raw"] = raw_loop(model, path, args.batch, context, args.max_length)
                 moved = OUT["weight_bytes"] + args.batch * context * OUT["kv_bytes_per_token"]
                 run["raw"]["hbm_gbps"] = moved / run["raw"]["step_s"] / 1e9
                 save(args.out)
@@ -300,8 +292,8 @@ def main(argv=None) -> int:
                     if time.perf_counter() > deadline - 60:
                         break
                     w = raw_loop(
-                        model, dense, args.batch, args.fixed_prompt, args.max_length,
-                        walk=args.fixed_out, chunk=chunk, layer_scan=scan,
+                        model, path, args.batch, args.fixed_prompt, args.max_length,
+                        walk=args.fixed_out, chunk=chunk,
                     )  # fmt: skip
                     w["hbm_gbps"] = moved / w["step_s"] / 1e9
                     run.setdefault("raw_walks", []).append(w)

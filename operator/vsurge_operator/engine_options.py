@@ -174,16 +174,6 @@ OPTIONS: tuple[EngineOption, ...] = (
         what="decode blocks",
     ),
     EngineOption(
-        key="layerScan",
-        field="layer_scan",
-        env="VSURGE_LAYER_SCAN",
-        kind="string",
-        choices=("off", "on"),
-        only="vdriver",
-        idle=("off",),
-        what="layer scan",
-    ),
-    EngineOption(
         key="quantization",
         field="quantization",
         env="VSURGE_QUANTIZATION",

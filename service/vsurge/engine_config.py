@@ -48,12 +48,16 @@ __all__ = [
 DEFAULT_SEED = 894  # the seed's engine seed, for requests without a seed of their own
 DRIVERS = ("vdriver", "odriver")
 ATTENTION_BACKENDS = ("auto", "pallas", "jax")  # paged attention (models/pallas_sharded.py)
-QUANTIZATIONS = ("none", "int8")  # weight quantization at load (models/quantization.py)
-SPECULATIVE_METHODS = ("none", "ngram")  # speculative decoding (engines/speculative.py)
-KV_CACHE_DTYPES = ("auto", "bfloat16")  # vEngine's dense cache (models/attention.py: kv_store / kv_load)
-LAYER_SCAN = ("off", "on")  # vEngine's layers (models/layer_stack.py)
-PREFILL_DTYPES = ("auto", "bfloat16")  # vEngine's packed prefill (engines/vengine.py: prefill_params)
-DECODE_DTYPES = ("auto", "bfloat16")  # vEngine's decode steps (engines/vengine.py: step_params)
+# weight quantization at load (models/quantization.py)
+QUANTIZATIONS = ("none", "int8")
+# speculative decoding (engines/speculative.py)
+SPECULATIVE_METHODS = ("none", "ngram")
+# vEngine's dense cache (models/attention.py: kv_store / kv_load)
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+# vEngine's packed prefill (engines/vengine.py: prefill_params)
+PREFILL_DTYPES = ("auto", "bfloat16")
+# vEngine's decode steps (engines/vengine.py: step_params)
+DECODE_DTYPES = ("auto", "bfloat16")
 MAX_LENGTH_CAP = 2048  # max_length=None: the model's context, at most this
 
 # Defaults that differ by driver, for fields left at None (the engine fills them in).
@@ -388,12 +392,6 @@ class EngineConfig:
         shown="4 on TPU, 1 elsewhere",
         only=DriverOnly((1,), "decode blocks", "blocks of {value} are {only}'s, not {driver}'s"),
     )
-    layer_scan: str = choice_knob(
-        "off",
-        "vdriver: the layers' weights stacked and run as one lax.scan, so each program compiles one layer: "
-        "a TPU start compiles half as long, a decode step runs ~20% slower (v5e, 1B bf16); not with LoRA",
-        LAYER_SCAN, DriverOnly(("off",), "layer scan"),
-    )  # fmt: skip
     interleaved_mode: bool = knob(False, "vdriver: prefill only between decode steps")
     quantization: str = choice_knob(
         "none",
@@ -438,8 +436,6 @@ class EngineConfig:
             if value is not None and value not in only.idle and self.driver != only.driver:
                 text = only.message.format(value=value, what=only.what, only=only.driver, driver=self.driver)
                 raise ValueError(f"{f.name}: {text}")
-        if self.layer_scan == "on" and self.enable_lora:  # the bank is kept per layer (models/lora.py)
-            raise ValueError("layer_scan: on stacks the layers, and the LoRA bank needs one module per layer")
         mpl, ml = self.max_prefill_length, self.max_length
         if mpl is not None and ml is not None and mpl > ml:
             raise ValueError(f"max_prefill_length {mpl} exceeds max_length {ml}")

@@ -25,13 +25,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..models.attention import ChunkAttention
-from ..models.kv_stack import StackedKV
 from ..models.lora import has_bank
 from ..request import TokenLogprob
 from ..sampling_params import MAX_TOP_LOGPROBS
 from .sampling import _top_k, sharded_sampling
 
-Rows = StackedKV  # every layer's row K, V [L, R, KVH, D]
+Rows = tuple[tuple[jax.Array, jax.Array], ...]
 SMALL_CHUNK = 128
 
 
@@ -42,8 +41,8 @@ def _extend_impl(graphdef, params, rows: Rows, tokens, start, adapter=None):
     positions = (start + jnp.arange(tokens.shape[0], dtype=jnp.int32))[None]
     backend = ChunkAttention(window=model.config.sliding_window)
     lora = None if adapter is None else jnp.full(positions.shape, adapter, jnp.int32)
-    hidden, rows = model(tokens[None], positions, backend, rows, (positions, start), lora)
-    return rows, hidden[0]
+    hidden, rows = model(tokens[None], positions, backend, list(rows), (positions, start), lora)
+    return tuple(tuple(r) for r in rows), hidden[0]
 
 
 def _logprobs_impl(graphdef, params, hidden, targets, *, sharded: bool):
@@ -82,10 +81,11 @@ class ChunkedPrefill:
         self.pad_token_id = pad_token_id
         self.hidden_size = config.hidden_size
         self.dtype = dtype
-        shape = (config.num_layers, self.row_length, config.num_kv_heads, config.head_dim)
+        shape = (self.row_length, config.num_kv_heads, config.head_dim)
+        layers = config.num_layers
 
         def zero_rows() -> Rows:
-            return StackedKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(layers))
 
         # committed where a chunk leaves its row, so the first chunk and the later ones are one program
         # signature, not two to compile (single device; on a mesh the chunk program picks its own)

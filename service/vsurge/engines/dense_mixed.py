@@ -103,7 +103,7 @@ def _mixed_impl(
     model = nnx.merge(graphdef, params)
     k, c = tokens.shape
     s = state.positions.shape[0]
-    m = state.caches.k.shape[2]
+    m = state.caches[0][0].shape[1]
     vocab = model.config.vocab_size
     pos = state.positions[:rows]
     c_pos = starts[:, None] + jnp.arange(c)[None, :]
@@ -124,7 +124,7 @@ def _mixed_impl(
     seen = jnp.where((starts == 0)[:, None], False, state.prompt_mask[jnp.minimum(slots, s - 1)])
     seen = seen.at[jnp.arange(k)[:, None], jnp.where(valid, tokens, vocab)].set(True, mode="drop")
     state = state._replace(
-        caches=caches,
+        caches=tuple(tuple(x) for x in caches),
         prompt_mask=state.prompt_mask.at[at].set(seen, mode="drop"),
         positions=state.positions.at[at].set(m, mode="drop"),  # past the cache until seated
     )

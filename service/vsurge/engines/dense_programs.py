@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..models.attention import DenseDecodeAttention, PrefillAttention, kv_store, to_flat
-from ..models.kv_stack import NO_CACHE, StackedKV
 from ..models.lora import has_bank, token_slots
 from ..models.target import target_backend
 from .engine_base import constrain, sample_first_token, sample_step, start_slot
@@ -22,7 +21,7 @@ from .sampling import SlotSampling, sample, sharded_sampling
 
 
 class GenerationState(NamedTuple):
-    caches: StackedKV  # every layer's K, V [slots, layers, max_length, kv_heads * head_dim]
+    caches: tuple[tuple[jax.Array, jax.Array], ...]  # per layer K, V [slots, max_length, kv_heads * head_dim]
     tokens: jax.Array  # i32[S] the token each slot feeds to its next decode step
     positions: jax.Array  # i32[S] where that token goes (the slot's current length)
     steps: jax.Array  # i32[S] tokens generated so far: the sampler's per-request step counter
@@ -39,7 +38,7 @@ class Prefix(NamedTuple):
     length 0. Logits are computed at insert from the last hidden state, only for the entries used.
     """
 
-    kv: StackedKV  # every layer's k, v [layers, rows, row length, kv_heads, head_dim]
+    kv: tuple[tuple[jax.Array, jax.Array], ...]  # per layer k, v [rows, row length, kv_heads, head_dim]
     hidden: jax.Array  # [K, hidden] final hidden state at each prompt's last token
     starts: jax.Array  # i32[K] where each prompt begins: row * row length + offset in the row
     lengths: jax.Array  # i32[K] prompt lengths (0: unused entry)
@@ -55,7 +54,7 @@ def _prefill_impl(graphdef, params, tokens, positions, segments, totals, starts,
     backend = PrefillAttention(window=model.config.sliding_window)
     meta = (positions, totals, segments)
     lora = token_slots(sampling.lora, segments) if has_bank(model) else None  # each prompt's adapter
-    hidden, kv = model(tokens, positions, backend, NO_CACHE, meta, lora)
+    hidden, kv = model(tokens, positions, backend, [None] * model.config.num_layers, meta, lora)
     last = hidden.reshape(r * t, -1)[jnp.maximum(starts + lengths - 1, 0)]
     vocab = model.config.vocab_size
     valid = (jnp.arange(t)[None, :] < totals[:, None]).reshape(-1)
@@ -63,18 +62,18 @@ def _prefill_impl(graphdef, params, tokens, positions, segments, totals, starts,
     # padding scatters to index V, which mode="drop" discards
     mask = jnp.zeros((starts.shape[0], vocab), bool)
     mask = mask.at[jnp.where(valid, seg, 0), jnp.where(valid, tok, vocab)].set(True, mode="drop")
-    return Prefix(kv, last, starts, lengths, mask, sampling)
+    return Prefix(tuple((k, v) for k, v in kv), last, starts, lengths, mask, sampling)
 
 
-def _long_prefix_impl(kv: StackedKV, last, tokens, length, sampling, *, entries: int, vocab: int):
-    """A chunked prefill's row (every layer's [L, R, KVH, D]) as entry 0 of a Prefix (the other entries
-    unused), so insert and the first-token sampler serve it like any pack."""
+def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab: int):
+    """A chunked prefill's row as entry 0 of a Prefix (the other entries unused), so insert and the
+    first-token sampler serve it like any pack."""
     valid = jnp.arange(tokens.shape[0]) < length
     mask = jnp.zeros((entries, vocab), bool).at[0, jnp.where(valid, tokens, vocab)].set(True, mode="drop")
     hidden = jnp.zeros((entries, last.shape[-1]), last.dtype).at[0].set(last)
     starts = jnp.zeros((entries,), jnp.int32)
     lengths = jnp.zeros((entries,), jnp.int32).at[0].set(length)
-    return Prefix(StackedKV(kv.k[:, None], kv.v[:, None]), hidden, starts, lengths, mask, sampling)
+    return Prefix(tuple((k[None], v[None]) for k, v in kv), hidden, starts, lengths, mask, sampling)
 
 
 def _entry(rows: SlotSampling, j, key) -> SlotSampling:
@@ -113,18 +112,20 @@ def _firsts_impl(graphdef, params, hidden, rows, prompt_mask, js, keys, *, num_t
 def _insert_impl(prefix: Prefix, state: GenerationState, j, slot, key, first_token, *, shardings):
     # entry j's whole row, shifted so the entry starts at position 0; what follows the prompt is never
     # read (decode writes position p before attending to positions <= p)
-    t = prefix.kv.k.shape[2]
+    t = prefix.kv[0][0].shape[1]
     row, at = prefix.starts[j] // t, prefix.starts[j] % t
     # a chunked prefill's row may be longer than the cache (rounded up to whole chunks)
-    src = jnp.minimum(at + jnp.arange(min(t, state.caches.k.shape[2])), t - 1)
+    src = jnp.minimum(at + jnp.arange(min(t, state.caches[0][0].shape[1])), t - 1)
 
-    def entry(x):  # [L, R, T, KVH, D] -> [1, L, M, KVH * D]: the slot's flat rows in every layer
-        return to_flat(jnp.take(jax.lax.dynamic_index_in_dim(x, row, 1, keepdims=False), src, axis=1))[None]
+    def entry(x):  # [1, M, KVH * D]: the cache's flat rows
+        return to_flat(jnp.take(jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), src, axis=0))[None]
 
-    kc, vc = state.caches
-    caches = StackedKV(
-        jax.lax.dynamic_update_slice(kc, kv_store(entry(prefix.kv.k), kc.dtype), (slot, 0, 0, 0)),
-        jax.lax.dynamic_update_slice(vc, kv_store(entry(prefix.kv.v), vc.dtype), (slot, 0, 0, 0)),
+    caches = tuple(
+        (
+            jax.lax.dynamic_update_slice(kc, kv_store(entry(k), kc.dtype), (slot, 0, 0)),
+            jax.lax.dynamic_update_slice(vc, kv_store(entry(v), vc.dtype), (slot, 0, 0)),
+        )
+        for (kc, vc), (k, v) in zip(state.caches, prefix.kv, strict=True)
     )
     state = state._replace(caches=caches, prompt_mask=state.prompt_mask.at[slot].set(prefix.prompt_mask[j]))
     new = start_slot(state, slot, first_token, prefix.lengths[j], _entry(prefix.sampling, j, key))
@@ -156,7 +157,7 @@ def _forward_impl(graphdef, params, state: GenerationState, lengths, *, rows: in
     logits = model.compute_logits(hidden[:, 0])
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    return state._replace(caches=caches), logits
+    return state._replace(caches=tuple(tuple(c) for c in caches)), logits
 
 
 def resolve_decode_steps(steps: int | None, backend: str | None = None) -> int:

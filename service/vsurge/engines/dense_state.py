@@ -15,7 +15,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..models.attention import KV_BITS
-from ..models.kv_stack import StackedKV
 from ..models.sharding import dense_cache_sharding
 from .dense_programs import GenerationState, Prefix
 from .sampling import DEFAULT_MAX_STOP_IDS, SlotSampling, make_slot_sampling
@@ -32,10 +31,8 @@ class DenseCache:
         return self.model.dtype
 
     def _cache_shape(self) -> tuple[int, ...]:
-        """K (and V): every slot's rows in every layer, [S, L, M, KVH * D] (rows first: moving a slot
-        moves all its layers; models/kv_stack.py)."""
         c = self.config
-        return (self.max_concurrent_decodes, c.num_layers, self.max_length, c.num_kv_heads * c.head_dim)
+        return (self.max_concurrent_decodes, self.max_length, c.num_kv_heads * c.head_dim)
 
     def _kv_sharding(self) -> jax.sharding.Sharding:
         return dense_cache_sharding(self.mesh, self._cache_shape(), self.config.num_kv_heads)
@@ -46,7 +43,7 @@ class DenseCache:
         kv = self._kv_sharding()
         rep = NamedSharding(self.mesh, P())
         return GenerationState(
-            caches=StackedKV(kv, kv),
+            caches=tuple((kv, kv) for _ in range(self.config.num_layers)),
             tokens=rep,
             positions=rep,
             steps=rep,
@@ -63,12 +60,12 @@ class DenseCache:
         if self.mesh is None:
             return self._replicated()
         c = self.config
-        kv = NamedSharding(  # [L, R, T, KVH, D]
-            self.mesh, P(None, None, None, "tp", None) if c.num_kv_heads % self.mesh.shape["tp"] == 0 else P()
+        kv = NamedSharding(
+            self.mesh, P(None, None, "tp", None) if c.num_kv_heads % self.mesh.shape["tp"] == 0 else P()
         )
         rep = NamedSharding(self.mesh, P())
         return Prefix(
-            kv=StackedKV(kv, kv),
+            kv=tuple((kv, kv) for _ in range(c.num_layers)),
             hidden=rep,
             starts=rep,
             lengths=rep,
@@ -83,7 +80,7 @@ class DenseCache:
         kv_sharding = self._kv_sharding() if self.mesh is not None else rep
         if self._zeros is None:  # one program, kept: a restarted generate thread must not compile again
             self._zeros = jax.jit(lambda: jnp.zeros(self._cache_shape(), dtype), out_shardings=kv_sharding)
-        caches = StackedKV(self._zeros(), self._zeros())
+        caches = tuple((self._zeros(), self._zeros()) for _ in range(self.config.num_layers))
         put = partial(jax.device_put, device=rep)
         sampling = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
         self._pos[:] = 0

@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
-from ..models.layer_stack import stack_layers, unstack_layers
 from ..models.lora import attach_bank, detach_bank
 from ..models.sharding import place_params
 from ..models.target import target_backend
@@ -153,18 +152,8 @@ def sample_step(
 class EngineBase:
     """Model, parameters (placed on the mesh), limits, and the seed API's tokenizer-facing properties."""
 
-    def _setup(
-        self,
-        model: Any,
-        processor: Any,
-        config: EngineConfig,
-        *,
-        smallest_rows: int = 4,
-        layer_scan: bool = False,
-    ) -> None:
-        """Model, parameters and limits from ``config`` (its driver's defaults fill the knobs left None).
-        ``layer_scan``: the model's layers stacked, to run under one scan (models/layer_stack.py); else one
-        module per layer (a model an earlier engine stacked is unstacked)."""
+    def _setup(self, model: Any, processor: Any, config: EngineConfig, *, smallest_rows: int = 4) -> None:
+        """Model, parameters and limits from ``config`` (its driver's defaults fill the knobs left None)."""
         mesh = config.mesh
         if isinstance(mesh, str):
             from ..models.sharding import make_mesh
@@ -189,15 +178,10 @@ class EngineBase:
         self.num_top_logprobs = config.num_top_logprobs
         self.prng_key = jax.random.PRNGKey(config.seed)
         # the LoRA bank is part of the model's state when asked for, and absent otherwise (models/lora.py)
-        self.layer_scan = layer_scan
-        if not config.enable_lora:
-            detach_bank(model)  # a model an earlier engine gave a bank (before a stack would take it in)
-        if layer_scan:
-            stack_layers(model)
-        else:
-            unstack_layers(model)
         if config.enable_lora:
             attach_bank(model, config.max_loras, config.max_lora_rank)
+        else:
+            detach_bank(model)  # a model an earlier engine gave a bank
         self.graphdef, params = nnx.split(model)
         self.params = place_params(params, self.config, mesh) if mesh is not None else params
         self.decode_rows = row_buckets(self.max_concurrent_decodes, smallest_rows)

@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..models.kv_stack import StackedKV
 from ..models.tpu_lowering import on_target
 from .dense_run_once import GREEDY, Prefixes, abstract, long_prefix_args, run_once_jobs
 from .dense_run_once import sds as _sds
@@ -85,7 +84,7 @@ def state_spec(engine: Any) -> Any:
     kv = _sds(
         engine._cache_shape(), engine.cache_dtype, engine._kv_sharding() if engine.mesh is not None else rep
     )
-    return GenerationState(caches=StackedKV(kv, kv), **fields)
+    return GenerationState(caches=tuple((kv, kv) for _ in range(engine.config.num_layers)), **fields)
 
 
 def _dense_programs(engine: Any, state: Any) -> list[Program]:

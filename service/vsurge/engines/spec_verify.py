@@ -30,8 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..models.attention import dense_layer, kv_store, read_chunk, read_dense_rows, to_flat
-from ..models.kv_stack import at_layer
+from ..models.attention import as_given, flat_cache, kv_store, read_chunk, read_dense_rows, to_flat
 from ..models.lora import has_bank
 from ..sampling_params import SamplingParams
 from .engine_base import constrain, sampling_context
@@ -83,21 +82,20 @@ class DenseVerifyAttention:
 
     def __call__(self, q, k, v, cache, meta):
         positions, lengths = meta
-        kc, vc, layer, give_back = dense_layer(cache)
+        kc, vc, shape4 = flat_cache(cache)
         s, t, h, d = q.shape
         kvh = k.shape[2]
         g = h // kvh
         pos = positions[:, None] + jnp.arange(t)[None, :]  # [S, T]
         rows = jnp.arange(s)[:, None]
-        kc = kc.at[at_layer(layer, rows, pos)].set(kv_store(to_flat(k), kc.dtype), mode="drop")
-        vc = vc.at[at_layer(layer, rows, pos)].set(kv_store(to_flat(v), vc.dtype), mode="drop")
+        kc = kc.at[rows, pos].set(kv_store(to_flat(k), kc.dtype), mode="drop")
+        vc = vc.at[rows, pos].set(kv_store(to_flat(v), vc.dtype), mode="drop")
         need = lengths if jnp.ndim(lengths) else jnp.minimum(positions + t, lengths)
         qg = q.reshape(s, t, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
         out = read_dense_rows(
-            qg, kc, vc, pos, jnp.minimum(need, kc.shape[2]), window=self.window, chunk=read_chunk(self.chunk),
-            layer=layer,
-        )  # fmt: skip
-        return out.reshape(s, t, h, d).astype(q.dtype), give_back(kc, vc)
+            qg, kc, vc, pos, jnp.minimum(need, kc.shape[1]), window=self.window, chunk=read_chunk(self.chunk)
+        )
+        return out.reshape(s, t, h, d).astype(q.dtype), as_given(kc, vc, shape4)
 
 
 def _verify_step_impl(
@@ -139,7 +137,7 @@ def _verify_step_impl(
     for t in range(k + 1):  # static K+1: scatter each emitted position's token into the penalty counts
         counts = counts.at[r, jnp.maximum(res.tokens[:, t], 0)].add((t < emitted).astype(counts.dtype))
     new = state._replace(
-        caches=caches,
+        caches=tuple(tuple(c) for c in caches),
         tokens=state.tokens.at[:rows].set(last),
         positions=state.positions.at[:rows].add(emitted),
         steps=state.steps.at[:rows].add(emitted),

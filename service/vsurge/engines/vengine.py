@@ -80,7 +80,7 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         seed_values = {k: v for k, v in locals().items() if k in ENGINE_ARGS}  # the seed's, as passed
         config = seed_engine_config(config, "vdriver", seed_values, kw, third=max_concurrent_decodes)
         # smallest_rows=1: one live row: XLA:CPU's matrix-vector path is ~25% faster than 4 rows
-        self._setup(model, processor, config, smallest_rows=1, layer_scan=config.layer_scan == "on")
+        self._setup(model, processor, config, smallest_rows=1)
         num_top_logprobs = self.num_top_logprobs
         self._state_shardings = self._make_state_shardings()
         tp = self.mesh.shape["tp"] if self.mesh is not None else 1

@@ -18,15 +18,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from . import kv_stack
-from .kv_stack import LayerKV, at_layer, layer_slice
 from .target import target_backend
 
 _NEG = -1e30
@@ -99,17 +95,6 @@ def as_given(kc, vc, shape4) -> tuple[jnp.ndarray, jnp.ndarray]:
     return (kc, vc) if shape4 is None else (kc.reshape(shape4), vc.reshape(shape4))
 
 
-def dense_layer(cache) -> tuple[jnp.ndarray, jnp.ndarray, Any, Callable]:
-    """A dense cache as (K, V, layer, give_back): a `LayerKV`'s stacked rows K, V [S, L, M, KVH * D] and
-    its layer; one layer's rows [S, M, KVH * D] or [S, M, KVH, D] (tests, the reference) as layer 0 of a
-    stack of one (reshapes, no copies). ``give_back(K, V)`` returns the updated cache in the form it came."""
-    if isinstance(cache, LayerKV):
-        return cache.k, cache.v, cache.layer, lambda kc, vc: LayerKV(kc, vc, cache.layer)
-    kc, vc, shape4 = flat_cache(cache)
-    one, only = kv_stack.one_layer_stack, kv_stack.only_layer
-    return one(kc), one(vc), 0, lambda kc, vc: as_given(only(kc), only(vc), shape4)
-
-
 def _group(q: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
     b, t, h, d = q.shape
     return q.reshape(b, t, num_kv_heads, h // num_kv_heads, d)
@@ -175,22 +160,11 @@ class ChunkAttention:
 
     def __call__(self, q, k, v, cache, meta):
         positions, start = meta
-        if isinstance(cache, LayerKV):  # rows of every layer [L, R, KVH, D]: write and read layer `layer`
-            kall, vall, layer = cache
-            kall = jax.lax.dynamic_update_slice(kall, k[:1].astype(kall.dtype), (layer, start, 0, 0))
-            vall = jax.lax.dynamic_update_slice(vall, v[:1].astype(vall.dtype), (layer, start, 0, 0))
-            kc = jax.lax.dynamic_index_in_dim(kall, layer, 0, keepdims=False)
-            vc = jax.lax.dynamic_index_in_dim(vall, layer, 0, keepdims=False)
-            out, _ = self._attend(q, k, kc, vc, positions)
-            return out, LayerKV(kall, vall, layer)
         kc, vc = cache
-        kc = jax.lax.dynamic_update_slice(kc, k[0].astype(kc.dtype), (start, 0, 0))
-        vc = jax.lax.dynamic_update_slice(vc, v[0].astype(vc.dtype), (start, 0, 0))
-        return self._attend(q, k, kc, vc, positions)
-
-    def _attend(self, q, k, kc, vc, positions):
         _, t, h, d = q.shape
         kvh = k.shape[2]
+        kc = jax.lax.dynamic_update_slice(kc, k[0].astype(kc.dtype), (start, 0, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v[0].astype(vc.dtype), (start, 0, 0))
         qg = _group(q, kvh)[0].astype(jnp.float32)  # [C, KVH, G, D]
         scores = jnp.einsum("tkgd,skd->kgts", qg, kc.astype(jnp.float32)) / jnp.sqrt(jnp.float32(d))
         ok = _allowed(positions[0][:, None], jnp.arange(kc.shape[0])[None, :], self.window)  # [C, R]
@@ -214,23 +188,21 @@ def read_chunk(chunk: int | None) -> int:
 READ_GROUP = 8
 
 
-def read_rows(
-    qj, pj, rows, need, kc, vc, *, window: int | None, chunk: int, size: int | None = None, layer: Any = 0
-):
+def read_rows(qj, pj, rows, need, kc, vc, *, window: int | None, chunk: int, size: int | None = None):
     """Attention of T queries per row against the first ``need[i]`` cache positions of one row each: the
-    first R slots (``rows`` None) or the slots ``rows`` i32[R] (gathered), of layer ``layer`` of the
-    stacked flat cache K, V [S', L, M, KVH * D]. qj f32[R, T, KVH, G, D] (scaled), pj i32[R, T] the
-    queries' positions. The cache is read in chunks with an online softmax, the loop's trip count (the
-    longest ``need``) computed on the device. Returns f32[R, T, KVH, G, D].
+    first R slots (``rows`` None) or the slots ``rows`` i32[R] (gathered). qj f32[R, T, KVH, G, D] (scaled),
+    pj i32[R, T] the queries' positions. The cache is read in chunks with an online softmax, the loop's
+    trip count (the longest ``need``) computed on the device. Returns f32[R, T, KVH, G, D].
 
     The T queries of a row are folded into its head groups ([R, KVH, T*G, D]), so every T runs the 4-d
     contractions of a decode step: XLA:CPU ran the 5-d ones of a 5-token verify step ~2x slower per
     position read."""
-    if dense_reader() == "flat":
-        return flat_read_rows(qj, pj, rows, need, kc, vc, window=window, chunk=chunk, size=size, layer=layer)
+    if kc.ndim == 3 and dense_reader() == "flat":
+        return flat_read_rows(qj, pj, rows, need, kc, vc, window=window, chunk=chunk, size=size)
     r, t, kvh, g, d = qj.shape
-    kc, vc = to_heads(kc, kvh), to_heads(vc, kvh)  # flat rows, read per head: [S', L, M, KVH, D]
-    n = kc.shape[2] if size is None else min(size, kc.shape[2])
+    if kc.ndim == 3:  # flat rows, read per head
+        kc, vc = to_heads(kc, kvh), to_heads(vc, kvh)
+    n = kc.shape[1] if size is None else min(size, kc.shape[1])
     c = min(chunk, n)
     most = -(-n // c)
     q4 = jnp.swapaxes(qj, 1, 2).reshape(r, kvh, t * g, d)
@@ -241,12 +213,12 @@ def read_rows(
         # the last chunk is shifted back to fit in n; positions an earlier chunk covered are masked
         start = jnp.minimum(i * c, n - c)
         if rows is None:
-            ks = kv_load(layer_slice(kc, layer, (0, start, 0, 0), (r, c, kvh, d)))
-            vs = kv_load(layer_slice(vc, layer, (0, start, 0, 0), (r, c, kvh, d)))
+            ks = kv_load(jax.lax.dynamic_slice_in_dim(kc[:r], start, c, axis=1))
+            vs = kv_load(jax.lax.dynamic_slice_in_dim(vc[:r], start, c, axis=1))
         else:
             cols = start + jnp.arange(c)
-            ks = kv_load(kc[at_layer(layer, rows[:, None], cols[None, :])])
-            vs = kv_load(vc[at_layer(layer, rows[:, None], cols[None, :])])
+            ks = kv_load(kc[rows[:, None], cols[None, :]])
+            vs = kv_load(vc[rows[:, None], cols[None, :]])
         k_pos = start + jnp.arange(c)
         ok = _allowed(q_pos, k_pos, window) & (k_pos >= i * c) & (k_pos < need[:, None, None, None])
         scores = jnp.where(ok, jnp.einsum("skqd,snkd->skqn", q4, ks), _NEG)
@@ -274,11 +246,8 @@ def _load_as(x: jnp.ndarray, dtype) -> jnp.ndarray:
     return x.astype(dtype)
 
 
-def flat_read_rows(
-    qj, pj, rows, need, kc, vc, *, window: int | None, chunk: int, size: int | None = None, layer: Any = 0
-):
-    """`read_rows` over layer ``layer`` of flat rows K, V [S', L, M, KVH * D] in the form TPUs run at
-    memory speed.
+def flat_read_rows(qj, pj, rows, need, kc, vc, *, window: int | None, chunk: int, size: int | None = None):
+    """`read_rows` over flat rows K, V [S', M, KVH * D] in the form TPUs run at memory speed.
 
     Each query row is spread over every head's lanes as a block-diagonal matrix ([R, T*H, KVH*D], zero
     outside its own head's D lanes), so scores and outputs are plain batched matmuls against whole flat
@@ -290,7 +259,7 @@ def flat_read_rows(
     r, t, kvh, g, d = qj.shape
     lanes = kc.shape[-1]
     dt = jnp.bfloat16 if kc.dtype in (KV_BITS, jnp.bfloat16) else jnp.float32
-    n = kc.shape[2] if size is None else min(size, kc.shape[2])
+    n = kc.shape[1] if size is None else min(size, kc.shape[1])
     c = min(chunk, n)
     most = -(-n // c)
     eye = jnp.eye(kvh, dtype=dt)
@@ -300,15 +269,12 @@ def flat_read_rows(
     def body(i, carry):
         m, denom, acc = carry
         start = jnp.minimum(i * c, n - c)  # the last chunk shifted back to fit; covered positions masked
-        if rows is None:  # the layer's rows in place: a slice of the stack, never a copy of the layer
-            ks = layer_slice(kc, layer, (0, start, 0), (r, c, lanes))
-            vs = layer_slice(vc, layer, (0, start, 0), (r, c, lanes))
+        if rows is None:
+            ks = jax.lax.dynamic_slice(kc, (0, start, 0), (r, c, lanes))
+            vs = jax.lax.dynamic_slice(vc, (0, start, 0), (r, c, lanes))
         else:
             cols = start + jnp.arange(c)
-            ks, vs = (
-                kc[at_layer(layer, rows[:, None], cols[None, :])],
-                vc[at_layer(layer, rows[:, None], cols[None, :])],
-            )
+            ks, vs = kc[rows[:, None], cols[None, :]], vc[rows[:, None], cols[None, :]]
         ks, vs = _load_as(ks, dt), _load_as(vs, dt)
         k_pos = start + jnp.arange(c)
         ok = _allowed(q_pos, k_pos, window) & (k_pos >= i * c) & (k_pos < need[:, None, None])
@@ -332,23 +298,21 @@ def flat_read_rows(
     return jnp.einsum("rtkgjd,kj->rtkgd", out, eye.astype(jnp.float32))
 
 
-def read_dense_rows(
-    qg, kc, vc, q_pos, lengths, *, window: int | None, chunk: int, size: int | None = None, layer: Any = 0
-):
+def read_dense_rows(qg, kc, vc, q_pos, lengths, *, window: int | None, chunk: int, size: int | None = None):
     """Attention of T queries per row against the first ``lengths[s]`` positions of row s's cache.
 
-    qg f32[S, T, KVH, G, D] (already scaled); kc/vc [S', L, M, KVH * D] (S' >= S: the step covers the
-    first S slots; layer ``layer`` is read); q_pos i32[S, T] (a query sees cache positions <= its own); lengths i32[S] (0: an idle row, read
+    qg f32[S, T, KVH, G, D] (already scaled); kc/vc [S', M, KVH, D] (S' >= S: the step covers the first S
+    slots); q_pos i32[S, T] (a query sees cache positions <= its own); lengths i32[S] (0: an idle row, read
     not at all, its output 0); ``size`` (static) caps the positions read. The cache is read in chunks with
     an online softmax, each loop's trip count computed on the device. With more than READ_GROUP rows, the
     rows are sorted by length and, when that skips enough, read in groups of READ_GROUP, each loop stopping
     after its group's longest row. Returns f32[S, T, KVH, G, D]."""
     s = qg.shape[0]
-    read = partial(read_rows, kc=kc, vc=vc, window=window, chunk=chunk, size=size, layer=layer)
+    read = partial(read_rows, kc=kc, vc=vc, window=window, chunk=chunk, size=size)
 
     # the grouped reads gather rows: on TPU a gather of whole rows costs more than reading them in place
     # (a 64-row step over mixed lengths 32-768 measured 22 ms grouped against 3 ms read in place)
-    if s <= READ_GROUP or dense_reader() == "flat":
+    if s <= READ_GROUP or (kc.ndim == 3 and dense_reader() == "flat"):
         return read(qg, q_pos, None, lengths)
     order = jnp.argsort(lengths)
 
@@ -388,24 +352,23 @@ class DenseDecodeAttention:
 
     def __call__(self, q, k, v, cache, meta):
         positions, lengths = meta if isinstance(meta, tuple) else (meta, None)
-        kc, vc, layer, give_back = dense_layer(cache)
+        kc, vc, shape4 = flat_cache(cache)
         s, _, h, d = q.shape  # s may be fewer than the cache's slots: the engine decodes the first s only
         kvh = k.shape[2]
         g = h // kvh
         rows = jnp.arange(s)
-        kc = kc.at[at_layer(layer, rows, positions)].set(kv_store(to_flat(k[:, 0]), kc.dtype))
-        vc = vc.at[at_layer(layer, rows, positions)].set(kv_store(to_flat(v[:, 0]), vc.dtype))
-        n = kc.shape[2] if self.kv_len is None else min(self.kv_len, kc.shape[2])
+        kc = kc.at[rows, positions].set(kv_store(to_flat(k[:, 0]), kc.dtype))
+        vc = vc.at[rows, positions].set(kv_store(to_flat(v[:, 0]), vc.dtype))
+        n = kc.shape[1] if self.kv_len is None else min(self.kv_len, kc.shape[1])
         need = positions + 1
         if lengths is not None:
             need = lengths if jnp.ndim(lengths) else jnp.minimum(need, lengths)
         need = jnp.minimum(need, n)
         qg = q[:, 0].reshape(s, 1, kvh, g, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
         out = read_dense_rows(
-            qg, kc, vc, positions[:, None], need, window=self.window, chunk=read_chunk(self.chunk), size=n,
-            layer=layer,
-        )  # fmt: skip
-        return out.reshape(s, 1, h, d).astype(q.dtype), give_back(kc, vc)
+            qg, kc, vc, positions[:, None], need, window=self.window, chunk=read_chunk(self.chunk), size=n
+        )
+        return out.reshape(s, 1, h, d).astype(q.dtype), as_given(kc, vc, shape4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,34 +390,32 @@ class DenseMixedAttention:
 
     def __call__(self, q, k, v, cache, meta):
         positions, lengths, slots, starts, counts = meta
-        kc, vc, layer, give_back = dense_layer(cache)
+        kc, vc, shape4 = flat_cache(cache)
         chunk = read_chunk(self.chunk)
         r = self.rows
         _, t, h, d = q.shape
         kvh = k.shape[2]
         g = h // kvh
-        m = kc.shape[2]
+        m = kc.shape[1]
         seqs = starts.shape[0]
         c = (t - r) // seqs
         at = jnp.where(lengths > 0, positions, m)  # m: dropped
-        live = at_layer(layer, jnp.arange(r), at)
-        kc = kc.at[live].set(kv_store(to_flat(k[0, :r]), kc.dtype), mode="drop")
-        vc = vc.at[live].set(kv_store(to_flat(v[0, :r]), vc.dtype), mode="drop")
+        kc = kc.at[jnp.arange(r), at].set(kv_store(to_flat(k[0, :r]), kc.dtype), mode="drop")
+        vc = vc.at[jnp.arange(r), at].set(kv_store(to_flat(v[0, :r]), vc.dtype), mode="drop")
         i = jnp.arange(c)
         c_pos = starts[:, None] + i[None, :]  # [K, C]
         c_at = jnp.where(i[None, :] < counts[:, None], c_pos, m)
         ck = kv_store(k[0, r:].reshape(seqs, c, kvh * d), kc.dtype)
         cv = kv_store(v[0, r:].reshape(seqs, c, kvh * d), vc.dtype)
-        kc = kc.at[at_layer(layer, slots[:, None], c_at)].set(ck, mode="drop")
-        vc = vc.at[at_layer(layer, slots[:, None], c_at)].set(cv, mode="drop")
+        kc = kc.at[slots[:, None], c_at].set(ck, mode="drop")
+        vc = vc.at[slots[:, None], c_at].set(cv, mode="drop")
         scale = jnp.sqrt(jnp.float32(d))
         qd = q[0, :r].reshape(r, 1, kvh, g, d).astype(jnp.float32) / scale
         out_d = read_dense_rows(
-            qd, kc, vc, positions[:, None], jnp.minimum(lengths, m), window=self.window, chunk=chunk,
-            layer=layer,
-        )  # fmt: skip
+            qd, kc, vc, positions[:, None], jnp.minimum(lengths, m), window=self.window, chunk=chunk
+        )
         qc = q[0, r:].reshape(seqs, c, kvh, g, d).astype(jnp.float32) / scale
         need = jnp.where(counts > 0, jnp.minimum(starts + counts, m), 0)
-        out_c = read_rows(qc, c_pos, slots, need, kc, vc, window=self.window, chunk=chunk, layer=layer)
+        out_c = read_rows(qc, c_pos, slots, need, kc, vc, window=self.window, chunk=chunk)
         out = jnp.concatenate([out_d.reshape(r, h, d), out_c.reshape(seqs * c, h, d)])
-        return out[None].astype(q.dtype), give_back(kc, vc)
+        return out[None].astype(q.dtype), as_given(kc, vc, shape4)

@@ -50,10 +50,8 @@ def target_shape(cfg: Any, module: str) -> tuple[int, int]:
 
 
 def projections(model: Any) -> Iterator[tuple[int, str, Any]]:
-    """(layer index, module name, Linear) of every projection an adapter may target (stacked layers,
-    models/layer_stack.py: their one module's, as layer 0; a bank is only ever attached per layer)."""
-    layers = model.model.layers
-    for n, layer in enumerate([layers.stacked] if hasattr(layers, "stacked") else layers):
+    """(layer index, module name, Linear) of every projection an adapter may target."""
+    for n, layer in enumerate(model.model.layers):
         for name in ATTENTION_TARGETS:
             yield n, name, getattr(layer.self_attn, name)
         for name in MLP_TARGETS:

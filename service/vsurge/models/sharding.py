@@ -110,13 +110,12 @@ def kv_cache_sharding(
 def dense_cache_sharding(
     mesh: Mesh | None, shape: tuple[int, ...], num_kv_heads: int
 ) -> jax.sharding.Sharding:
-    """vEngine's flat cache [S, M, KVH * D] (or stacked over layers, [S, L, M, KVH * D]): slots over dp,
-    the flat heads over tp when tp splits whole kv heads (each tp shard then holds the heads its query
-    heads read), else whole on every tp shard."""
+    """vEngine's flat cache [S, M, KVH * D]: slots over dp, the flat heads over tp when tp splits whole kv
+    heads (each tp shard then holds the heads its query heads read), else whole on every tp shard."""
     if mesh is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     tp = "tp" if num_kv_heads % mesh.shape["tp"] == 0 else None
-    return NamedSharding(mesh, fit_spec(P("dp", *([None] * (len(shape) - 2)), tp), shape, mesh))
+    return NamedSharding(mesh, fit_spec(P("dp", None, tp), shape, mesh))
 
 
 def place_params(state, cfg, mesh: Mesh):
@@ -124,19 +123,10 @@ def place_params(state, cfg, mesh: Mesh):
     abstract parameters (jax.ShapeDtypeStruct) get the sharding they would have there."""
     from flax import nnx
 
-    from .layer_stack import STACKED_PATH
-
     rules = architecture_for(cfg.model_type).partition_rules
     for path, var in nnx.to_flat_state(state):
         value = var.get_value()
-        name = "/".join(map(str, path))
-        if (
-            STACKED_PATH in name
-        ):  # stacked layers [L, ...] (models/layer_stack.py): each layer as the rules say
-            one = spec_for(name, value.shape[1:], mesh, rules)
-            sharding = NamedSharding(mesh, P(None, *one))
-        else:
-            sharding = sharding_for(name, value.shape, mesh, rules)
+        sharding = sharding_for("/".join(map(str, path)), value.shape, mesh, rules)
         if isinstance(value, jax.ShapeDtypeStruct):  # an abstract model (loader.abstract_model): no data
             var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
         else:
