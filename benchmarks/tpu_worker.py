@@ -39,6 +39,7 @@ def save(path: str | None) -> None:
 
 from tpu_probes import Timeline, busy_rows_experiment, prefill_probe  # noqa: E402
 from tpu_raw import kv_bytes_per_token, param_count, raw_loop, weight_read_bytes  # noqa: E402
+from tpu_start_breakdown import StartBreakdown  # noqa: E402
 from tpu_workloads import mixed_limit, run_requests, workloads  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ engines
@@ -68,8 +69,10 @@ def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float, raw_w
     surge = vSurge.create(model, tok, cfg)
     out["build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    breakdown = StartBreakdown()
     surge.compile()
     out["compile_s"] = time.perf_counter() - t0
+    out["compile_breakdown"] = breakdown.close()
     engine = surge.driver.engines[0]
     out["compile_report"] = getattr(engine, "compile_report", None)
     if path == "vdriver" and time.perf_counter() < deadline:
@@ -112,6 +115,7 @@ def warm_start(args) -> None:
     jax.devices()
     OUT["backend_init_s"] = time.perf_counter() - t_init
     t0 = time.perf_counter()
+    breakdown = StartBreakdown()
     model, tok = vsurge.load_model(args.ckpt, quantization=args.quant)
     OUT["load_s"] = time.perf_counter() - t0
     path = args.paths.split(",")[0]
@@ -119,6 +123,7 @@ def warm_start(args) -> None:
     surge = vsurge.vSurge.create(model, tok, engine_config(path, args.batch, args.max_length))
     surge.compile()
     OUT["compile_s"] = time.perf_counter() - t1
+    OUT["compile_breakdown"] = breakdown.close()
     OUT["compile_report"] = getattr(surge.driver.engines[0], "compile_report", None)
     surge.start()
     fixed, _ = workloads(model.config.vocab_size, 1, 16, 4, 64)
