@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vsurge.models.attention import DenseDecodeAttention, PrefillAttention, use_dense_reader
+from vsurge.models import tpu_lowering as tl
+from vsurge.models.attention import DenseDecodeAttention, PrefillAttention, prefill_block, use_dense_reader
 
 # Every dense read runs in both forms: "heads" (XLA:CPU's, per-head 4-d contractions) and "flat" (TPU's,
 # block-diagonal queries against the flat rows), on the flat cache the engine keeps and on a 4-d one.
@@ -108,6 +110,27 @@ def test_blocked_prefill_equals_one_softmax(window):
     blocked, _ = PrefillAttention(window=window, block=7)(q, k, v, None, meta)
     np.testing.assert_allclose(np.asarray(blocked)[0], np.asarray(whole)[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(blocked)[1, :17], np.asarray(whole)[1, :17], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_blocks_by_backend():
+    """A prefill traced for a TPU computes 512 queries per block (each block is unrolled per layer into
+    the program a start compiles), on CPU 64; the TPU's blocks give the same outputs."""
+    rng = np.random.default_rng(4)
+    b, t, kvh, g, d = 1, 600, 1, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, t, kvh * g, d)).astype(np.float32))
+    k = jnp.asarray(rng.normal(size=(b, t, kvh, d)).astype(np.float32))
+    v = jnp.asarray(rng.normal(size=(b, t, kvh, d)).astype(np.float32))
+    meta = (jnp.arange(t, dtype=jnp.int32)[None], jnp.asarray([t]))
+    assert prefill_block() == 64
+    with tl.targeting("v5e", None):
+        assert prefill_block() == 512
+        tpu_text = jax.jit(lambda *a: PrefillAttention()(*a, None, meta)[0]).lower(q, k, v).as_text()
+    cpu_text = jax.jit(lambda *a: PrefillAttention()(*a, None, meta)[0]).lower(q, k, v).as_text()
+    # one exp per block of queries: 2 blocks for a TPU, 10 on CPU
+    assert tpu_text.count("stablehlo.exponential") < cpu_text.count("stablehlo.exponential")
+    cpu, _ = PrefillAttention()(q, k, v, None, meta)
+    tpu, _ = PrefillAttention(block=prefill_block() * 8)(q, k, v, None, meta)
+    np.testing.assert_allclose(np.asarray(tpu), np.asarray(cpu), rtol=1e-5, atol=1e-5)
 
 
 def _rows(rng, s, m, t, kvh, g, d):
