@@ -65,5 +65,7 @@ def test_workers_read_the_programs_the_leader_wrote(tmp_path):
     second = _run_group(cache)
     want = 3.0 * sum(range(8))
     assert [r["total"] for r in first + second] == [want] * 4
-    assert [r["hits"] for r in first] == [0, 0], first  # a cold cache: both compile, the leader writes
+    # a cold cache: the leader compiles and writes; the worker compiles too, unless the leader's entry is
+    # already there when it looks (a loaded machine: the worker's process started later), then reads it
+    assert first[0]["hits"] == 0 and first[1]["hits"] in (0, 1), first
     assert all(r["hits"] >= 1 for r in second), second  # the worker reads the leader's entry too
