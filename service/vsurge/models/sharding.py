@@ -119,11 +119,15 @@ def dense_cache_sharding(
 
 
 def place_params(state, cfg, mesh: Mesh):
-    """Move an nnx parameter State onto `mesh` by the architecture's rules (for engines on their own devices);
-    abstract parameters (jax.ShapeDtypeStruct) get the sharding they would have there."""
+    """A copy of an nnx parameter State placed on `mesh` by the architecture's rules (for engines on their own
+    devices); abstract parameters (jax.ShapeDtypeStruct) get the sharding they would have there. ``state``
+    and the model it came from keep their arrays: two engines built on one model (disaggregated prefill
+    and decode, each on its own devices) each keep their own placement. An array already placed so (a
+    model loaded onto the mesh, as `vsurge serve` loads it) is the same array, not a copy."""
     from flax import nnx
 
     rules = architecture_for(cfg.model_type).partition_rules
+    state = jax.tree.map(lambda x: x, state)  # new Variables, the same arrays
     for path, var in nnx.to_flat_state(state):
         value = var.get_value()
         sharding = sharding_for("/".join(map(str, path)), value.shape, mesh, rules)
