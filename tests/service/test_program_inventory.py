@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import vsurge
+from vsurge.engines.dense_warmup import chained
 from vsurge.engines.dense_warmup import program_jobs as dense_jobs
 from vsurge.engines.oengine import oEngine
 from vsurge.engines.paged_programs import program_jobs as paged_jobs
@@ -92,7 +93,25 @@ def test_the_inventory_lowers_as_the_engine_calls(tiny, cls):
         pf = [place((engine.step_seqs, v), np.float32)]
         real += paged_structured_jobs(engine, sampler_rows(state), dec, pf, inputs)
     else:
-        real = dense_jobs(engine, state)
+        real = chained(engine, dense_jobs(engine, state))  # each prefill: its chain's three programs
+        # the chain's layer and finish on what a real call of the program before each returns
+        chain, inner = engine._prefill, engine.prefill_params["model"]
+        tokens, positions, segments, totals, starts, lens, sampling = engine._pack(
+            [[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=1)], None
+        )
+        x, tok, pos, seg, tot, lora = chain._embed(
+            inner["embed_tokens"], tokens, positions, segments, totals, None
+        )
+        layer = (inner["layers"][1], x, pos, seg, tot, lora)
+        h = chain._layer(*layer)[0]
+        real += [
+            ("prefill bucket 16: layer", chain._layer, layer),
+            (
+                "prefill bucket 16: finish",
+                chain._finish,
+                (inner["norm"], h, tok, seg, tot, starts, lens, sampling),
+            ),
+        ]
         prefix = engine.prefill([1, 2, 3])
         key, j = np.zeros(2, np.uint32), np.int32(0)
         head = (engine.params, prefix.hidden, prefix.sampling, prefix.prompt_mask)

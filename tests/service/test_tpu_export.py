@@ -250,8 +250,10 @@ KIND_CASES = [
 # kinds each engine must have built for a TPU (decode blocks, the kernel's two shape classes, ...)
 MUST = {
     "vdriver": {
-        "prefill bucket N",
-        "prefill rows NxN",
+        "prefill bucket N: embed",
+        "prefill bucket N: layer",
+        "prefill bucket N: finish",
+        "prefill rows NxN: layer",
         "decode block of N slots=N",
         "insert from prefill bucket N",
     },

@@ -912,7 +912,7 @@ def test_no_compilation_on_live_requests(tiny, dtypes):
     report = s.driver.engines[0].compile_report
     late = {name for name, _ in report["after_pool"]}
     assert not late & set(report["pool"]), report
-    assert "jit(_prefill_impl)" in report["pool"] and "jit(_extend_impl)" in report["pool"], report
+    assert "jit(_prefill_layer_impl)" in report["pool"] and "jit(_chunk_layer_impl)" in report["pool"], report
     compiled = compiled_while_serving(s)
     assert not compiled, compiled
 

@@ -2,9 +2,10 @@
 and prompt logprobs (vLLM's `prompt_logprobs`, OpenAI's `echo` + `logprobs`).
 
 A prompt of n tokens runs as chunks of at most `max_prefill_length` tokens, each padded to one of two
-chunk buckets (the smallest prefill bucket of at least 128 tokens, and the largest: each chunk program
-costs a prefill's compile time, and a short chunk padded to 128 tokens costs little); chunk i starts at i * max_prefill_length and attends to the row written by the chunks before it
-(`ChunkAttention`). The row is `round_up(max_length, max_prefill_length)` long, so no chunk's write is
+chunk buckets (the smallest prefill bucket of at least 128 tokens, and the largest: each bucket is
+programs to compile, and a short chunk padded to 128 tokens costs little); chunk i starts at
+i * max_prefill_length and attends to the row written by the chunks before it (`ChunkAttention`), one
+decoder layer per program (layered_chunk.py). The row is `round_up(max_length, max_prefill_length)` long, so no chunk's write is
 ever clamped. Per chunk, when asked, one more program turns the chunk's hidden states into the logprob of
 each next prompt token and the top `MAX_TOP_LOGPROBS`: the normal prefill never pays for logits at every
 position. Every (bucket) shape is compiled with the engine; both engines use this (vEngine also inserts the
@@ -24,25 +25,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..models.attention import ChunkAttention
 from ..models.lora import has_bank
 from ..request import TokenLogprob
 from ..sampling_params import MAX_TOP_LOGPROBS
+from .layered_chunk import LayeredChunk
 from .sampling import _top_k, sharded_sampling
 
 Rows = tuple[tuple[jax.Array, jax.Array], ...]
 SMALL_CHUNK = 128
-
-
-def _extend_impl(graphdef, params, rows: Rows, tokens, start, adapter=None):
-    """One chunk into the row; returns the row and the chunk's final hidden states [C, hidden].
-    ``adapter``: the prompt's LoRA bank slot (i32 scalar), only on an engine with a bank."""
-    model = nnx.merge(graphdef, params)
-    positions = (start + jnp.arange(tokens.shape[0], dtype=jnp.int32))[None]
-    backend = ChunkAttention(window=model.config.sliding_window)
-    lora = None if adapter is None else jnp.full(positions.shape, adapter, jnp.int32)
-    hidden, rows = model(tokens[None], positions, backend, list(rows), (positions, start), lora)
-    return tuple(tuple(r) for r in rows), hidden[0]
 
 
 def _logprobs_impl(graphdef, params, hidden, targets, *, sharded: bool):
@@ -90,7 +80,8 @@ class ChunkedPrefill:
         # committed where a chunk leaves its row, so the first chunk and the later ones are one program
         # signature, not two to compile (single device; on a mesh the chunk program picks its own)
         self._zeros = jax.jit(zero_rows, out_shardings=self._whole())
-        self._extend = jax.jit(partial(_extend_impl, graphdef), donate_argnums=(1,))
+        # a chunk: the embedding, one program per layer (the same for all), the final norm
+        self._extend = LayeredChunk(graphdef, params, self._whole())
         leaf = jax.tree_util.tree_leaves(params)[0]
         sharded = isinstance(getattr(leaf, "sharding", None), NamedSharding)  # placed on a mesh
         self._logprobs = jax.jit(partial(_logprobs_impl, graphdef, sharded=sharded))
@@ -117,7 +108,7 @@ class ChunkedPrefill:
         lora = (np.int32(-1),) if self.lora else ()
         for b in self.buckets:
             tokens = np.zeros(b, np.int32)
-            out.append((f"chunk bucket {b}", self._extend, (self.params, row, tokens, np.int32(0), *lora)))
+            out += self._extend.jobs(f"chunk bucket {b}", self.params, row[0], tokens, np.int32(0), *lora)
             hidden = jax.ShapeDtypeStruct((b, self.hidden_size), self.dtype, sharding=whole)
             out.append((f"prompt logprobs bucket {b}", self._logprobs, (self.params, hidden, tokens)))
         return out

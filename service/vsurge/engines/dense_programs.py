@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..models.attention import DenseDecodeAttention, PrefillAttention, kv_store, to_flat
-from ..models.lora import has_bank, token_slots
+from ..models.attention import DenseDecodeAttention, kv_store, to_flat
+from ..models.lora import has_bank
 from ..models.target import target_backend
 from .engine_base import constrain, sample_first_token, sample_step, start_slot
 from .sampling import SlotSampling, sample, sharded_sampling
@@ -44,25 +44,6 @@ class Prefix(NamedTuple):
     lengths: jax.Array  # i32[K] prompt lengths (0: unused entry)
     prompt_mask: jax.Array  # bool[K, V]
     sampling: SlotSampling  # K rows
-
-
-def _prefill_impl(graphdef, params, tokens, positions, segments, totals, starts, lengths, sampling):
-    """Prefill the prompts packed in `tokens` [R, L] (segment j holds prompt j, positions restart in
-    each; row r holds totals[r] tokens, then padding)."""
-    model = nnx.merge(graphdef, params)
-    r, t = tokens.shape
-    backend = PrefillAttention(window=model.config.sliding_window)
-    meta = (positions, totals, segments)
-    lora = token_slots(sampling.lora, segments) if has_bank(model) else None  # each prompt's adapter
-    hidden, kv = model(tokens, positions, backend, [None] * model.config.num_layers, meta, lora)
-    last = hidden.reshape(r * t, -1)[jnp.maximum(starts + lengths - 1, 0)]
-    vocab = model.config.vocab_size
-    valid = (jnp.arange(t)[None, :] < totals[:, None]).reshape(-1)
-    seg, tok = segments.reshape(-1), tokens.reshape(-1)
-    # padding scatters to index V, which mode="drop" discards
-    mask = jnp.zeros((starts.shape[0], vocab), bool)
-    mask = mask.at[jnp.where(valid, seg, 0), jnp.where(valid, tok, vocab)].set(True, mode="drop")
-    return Prefix(tuple((k, v) for k, v in kv), last, starts, lengths, mask, sampling)
 
 
 def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab: int):

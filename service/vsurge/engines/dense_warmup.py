@@ -1,6 +1,7 @@
 """vEngine's warm-up: compile every program a live request can hit, before the first one arrives.
 
-`compile_engine` lowers and compiles the prefill buckets and row packs, the decode step per row bucket,
+`compile_engine` lowers and compiles the prefill buckets and row packs (each a chain of three programs:
+layered_prefill.py), the decode step per row bucket,
 chunked prefill, slot moves, verify and mixed steps in parallel threads (XLA compiles without the GIL),
 then runs each once on the real state so the jit caches hold exactly the live signatures.
 `warm_structured` adds what structured output needs, later and on its own thread.
@@ -86,6 +87,39 @@ def program_jobs(engine: Any, state: Any) -> list[tuple[str, Any, tuple]]:
     return jobs
 
 
+def longest_first(engine: Any, jobs: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """``jobs`` with the slowest to build first (a stable sort): the steps that hold the whole model and
+    the sampler (decode blocks and steps, verify, mixed), then the first-token samplers, then the rest.
+    The pool has a thread per core and the jobs outnumber them: listed last, the decode blocks started
+    after the prefill chains and ended the start (a v5e, the 1B shape: 26-33 s of a 43.5 s cold start,
+    ~9.5 s of a 12.5 s warm one, each alone ~20 s cold)."""
+    steps = [*engine._decode.values(), *engine._forward.values()]
+    steps += [*engine.blocks.programs.values()] if engine.blocks is not None else []
+    steps += [*engine.speculator._fns.values()] if engine.speculator is not None else []
+    steps += [*engine.mixed._fns.values()] if engine.mixed is not None else []
+    samplers = [engine._first, engine._firsts]
+
+    def rank(job: tuple[str, Any, Any]) -> int:
+        fn = job[1]
+        return 0 if any(fn is f for f in steps) else 1 if any(fn is f for f in samplers) else 2
+
+    return sorted(jobs, key=rank)
+
+
+def chained(engine: Any, jobs: list[tuple[str, Any, Any]], made: bool = True) -> list[tuple[str, Any, Any]]:
+    """``jobs`` with each prefill entry (name, `engine._prefill`, its arguments) as the programs of its
+    chain (layered_prefill.py): embed, layer, finish. ``made``: their arguments made (as `compile_jobs`
+    takes them); else callables making them (as `program_inventory` lists them)."""
+    out = []
+    for name, fn, args in jobs:
+        if fn is not engine._prefill:
+            out.append((name, fn, args))
+            continue
+        parent = args if callable(args) else (lambda args=args: args)
+        out += [(n, f, make() if made else make) for n, f, make in fn.jobs(name, parent)]
+    return out
+
+
 def structured_jobs(engine: Any, state: Any, prefix: Any) -> list[tuple[str, Any, tuple]]:
     """What `warm_structured` compiles: the split step (model, then the masked sampler) per row count
     and the masked first token, on ``state`` and a ``prefix`` (real arrays or their shapes)."""
@@ -124,6 +158,7 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
     jobs = program_jobs(engine, state)
     prefill = {name: (fn, args) for name, fn, args in jobs if fn is engine._prefill}
     prefill["a chunked prefill"] = (engine._long_prefix, long_prefix_args(engine))
+    jobs = chained(engine, jobs)
     jobs.append(("chunked prefill's prefix", *prefill["a chunked prefill"]))
     if jax.default_backend() != "cpu":
         # XLA:CPU segfaulted deserializing these programs from the persistent cache once compiled this way
@@ -133,7 +168,7 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
             (name, fn, make()) for name, fn, make in run_once_jobs(engine, state, Prefixes(engine, prefill))
         ]
     with compiled_during() as in_pool:
-        times = compile_jobs(jobs, say)
+        times = compile_jobs(longest_first(engine, jobs), say)
     pool_s = time.perf_counter() - t0
     with compiled_during() as after_pool:
         state = _run_each_once(engine, state, say)

@@ -27,8 +27,8 @@ import numpy as np
 from ..models.tpu_lowering import on_target
 from .dense_run_once import GREEDY, Prefixes, abstract, long_prefix_args, run_once_jobs
 from .dense_run_once import sds as _sds
+from .dense_warmup import chained, structured_jobs
 from .dense_warmup import program_jobs as dense_jobs
-from .dense_warmup import structured_jobs
 from .oengine import PagedState, oEngine
 from .paged_programs import program_jobs as paged_jobs
 from .paged_programs import sampler_rows
@@ -93,6 +93,9 @@ def _dense_programs(engine: Any, state: Any) -> list[Program]:
     `sample_firsts`); those `warm_structured` adds."""
     out = [Program(name, fn, _given(args)) for name, fn, args in dense_jobs(engine, state)]
     prefill = {p.name: (p.fn, lambda p=p: p.args) for p in out if p.fn is engine._prefill}
+    # each prefill as its chain's programs (embed, layer, finish), on the prefill's abstract arguments
+    listed = [(p.name, p.fn, lambda p=p: p.args) for p in out]
+    out = [Program(name, fn, make) for name, fn, make in chained(engine, listed, made=False)]
     long = Program("chunked prefill's prefix", engine._long_prefix, _given(long_prefix_args(engine)))
     prefill["a chunked prefill"] = (long.fn, lambda: long.args)
     out.append(long)

@@ -34,12 +34,12 @@ from .dense_programs import (  # GenerationState, Prefix, resolve_decode_steps: 
     _forward_impl,
     _insert_impl,
     _long_prefix_impl,
-    _prefill_impl,
     resolve_decode_steps,
 )
 from .dense_state import DenseCache
 from .dense_warmup import compile_engine, warm_structured
 from .engine_base import EngineBase, resolve_token_budget
+from .layered_prefill import LayeredPrefill
 from .prefill_rows import first_fit, row_counts, rows_needed
 from .sampling import (
     DEFAULT_MAX_STOP_IDS,
@@ -97,7 +97,8 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         self._active = np.zeros(self.max_concurrent_decodes, bool)
 
         logits_sharding = self.logits_sharding
-        self._prefill = jax.jit(partial(_prefill_impl, self.graphdef))
+        self.dispatch_lock = threading.Lock()  # see LayeredPrefill
+        self._prefill = LayeredPrefill(self)  # one program per part of the model (layered_prefill.py)
         self._bf16 = bf16_kernels(self.params, self.model.dtype, config.prefill_dtype, config.decode_dtype)
         self.prefill_params = self._bf16 if self._wants_bf16("prefill_dtype") else self.params
         # per row bucket: the weights its decode (and verify) step runs on (decode_dtype)
@@ -405,7 +406,9 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         live slot, each row reading its own length of the cache; results have one row per decoded slot."""
         live = np.flatnonzero(self._active)
         rows = self.decode_bucket()
-        state, out = self._decode[rows](self._step_params[rows], decode_state, self.read_lengths(rows))
+        lengths = self.read_lengths(rows)
+        with self.dispatch_lock:
+            state, out = self._decode[rows](self._step_params[rows], decode_state, lengths)
         self._pos[live] += 1
         return state, out
 
@@ -416,9 +419,9 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
             raise RuntimeError("this engine decodes one step per program (decode_steps=1)")
         live = np.flatnonzero(self._active)
         rows = self.decode_bucket()
-        state, out = self.blocks.programs[rows](
-            self._step_params[rows], decode_state, self.read_lengths(rows)
-        )
+        lengths = self.read_lengths(rows)
+        with self.dispatch_lock:
+            state, out = self.blocks.programs[rows](self._step_params[rows], decode_state, lengths)
         self._pos[live] += self.decode_steps
         return state, out
 
@@ -437,7 +440,9 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         and return the logits (rows of the bucket) for `decode_sample`."""
         live = np.flatnonzero(self._active)
         rows = self.decode_bucket()
-        state, logits = self._forward[rows](self._step_params[rows], decode_state, self.read_lengths(rows))
+        lengths = self.read_lengths(rows)
+        with self.dispatch_lock:
+            state, logits = self._forward[rows](self._step_params[rows], decode_state, lengths)
         self._pos[live] += 1
         return state, logits
 

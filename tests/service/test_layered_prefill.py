@@ -1,0 +1,122 @@
+"""vEngine's prefill as a chain of programs (embed, one program per decoder layer, finish) and the chunk
+program as one too (engines/layered_prefill.py, engines/layered_chunk.py): the same hidden states and K/V
+as the model's own forward over the whole stack, one compiled layer program for every layer, the chain
+dispatched under the engine's dispatch lock, and the compile pool starting with the slowest programs."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vsurge
+from vsurge.engines.dense_warmup import longest_first, program_jobs
+from vsurge.engines.vengine import vEngine
+from vsurge.models.attention import ChunkAttention, PrefillAttention
+from vsurge.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama", heads=8, kv_heads=4)
+    return vsurge.load_model(path)
+
+
+def _engine(tiny, **kw):
+    model, tok = tiny
+    return vEngine(model, tok, max_concurrent_decodes=4, prefill_lengths=[16, 32], max_length=64, **kw)
+
+
+def test_the_chain_is_the_models_forward(tiny):
+    """Three prompts packed into rows of the engine's prefill: every layer's K/V and each prompt's last
+    hidden state equal the model's forward over the whole stack on the same rows (float32, one device)."""
+    engine = _engine(tiny)
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 31)), [3]]
+    packed = engine._pack(prompts, [GREEDY] * 3, None)
+    tokens, positions, segments, totals, starts, lengths, _ = packed
+    prefix = engine._prefill(engine.prefill_params, *packed)
+    model = engine.model
+    meta = (jnp.asarray(positions), jnp.asarray(totals), jnp.asarray(segments))
+    hidden, kv = model(
+        jnp.asarray(tokens), jnp.asarray(positions), PrefillAttention(), [None] * len(prefix.kv), meta
+    )
+    assert len(prefix.kv) == model.config.num_layers
+    for (k, v), (k_ref, v_ref) in zip(prefix.kv, kv, strict=True):
+        np.testing.assert_allclose(np.asarray(k), np.asarray(k_ref), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(v), np.asarray(v_ref), rtol=1e-5, atol=1e-5)
+    r, t = tokens.shape
+    last = np.asarray(hidden).reshape(r * t, -1)[np.maximum(starts + lengths - 1, 0)]
+    np.testing.assert_allclose(np.asarray(prefix.hidden)[:3], last[:3], rtol=1e-5, atol=1e-5)
+    mask = np.asarray(prefix.prompt_mask)
+    for j, p in enumerate(prompts):
+        assert set(np.flatnonzero(mask[j])) == set(p)
+    # one executable serves every layer of a shape
+    assert engine._prefill._layer._cache_size() == 1
+
+
+def test_the_chunk_chain_is_the_models_forward(tiny):
+    """A prompt of 40 tokens in chunks of 32 (the largest bucket): the row the chunk chain writes and its
+    hidden states equal the model's forward with `ChunkAttention` over the same chunks."""
+    engine = _engine(tiny)
+    chunked = engine.chunked
+    ids = list(range(40, 80))
+    rows, last, _ = chunked.run(ids, False)
+    model = engine.model
+    ref = [(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in rows]
+    hidden = None
+    for start in range(0, len(ids), chunked.chunk):
+        part = ids[start : start + chunked.chunk]
+        b = next(x for x in chunked.buckets if x >= len(part))
+        chunk = np.full(b, engine.pad_token_id, np.int32)
+        chunk[: len(part)] = part
+        positions = (start + jnp.arange(b, dtype=jnp.int32))[None]
+        hidden, ref = model(jnp.asarray(chunk)[None], positions, ChunkAttention(), ref, (positions, start))
+        ref = [tuple(r) for r in ref]
+        n = len(part)
+    for (k, v), (k_ref, v_ref) in zip(rows, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(k)[:40], np.asarray(k_ref)[:40], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(v)[:40], np.asarray(v_ref)[:40], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(hidden)[0, n - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_chain_and_the_decode_steps_take_the_dispatch_lock(tiny):
+    """While the engine's dispatch lock is held, neither a prefill nor a decode step is dispatched: a
+    decode block never lands between two layers of a prefill on the device's queue."""
+    engine = _engine(tiny, decode_steps=2)
+    state = engine.init_decode_state()
+    done = {}
+
+    def prefill():
+        done["prefill"] = engine.prefill([1, 2, 3], GREEDY)
+
+    def block():
+        done["block"] = engine.decode_block(state)
+
+    for name, fn in (("prefill", prefill), ("block", block)):
+        with engine.dispatch_lock:
+            t = threading.Thread(target=fn)
+            t.start()
+            t.join(0.5)
+            assert name not in done, f"{name} dispatched while the lock was held"
+        t.join(60)
+        assert name in done
+    jax.block_until_ready(done["prefill"].hidden)
+
+
+def test_the_pool_starts_with_the_slowest_programs(tiny):
+    """The decode blocks first, then the first-token samplers, then the prefill chains and the rest, each
+    group in its own order."""
+    engine = _engine(tiny, decode_steps=2)
+    jobs = program_jobs(engine, engine.init_decode_state())
+    jobs += [("first token", engine._first, ()), ("first tokens", engine._firsts, ())]
+    names = [name for name, _, _ in longest_first(engine, jobs)]
+    blocks = [n for n in names if n.startswith("decode block")]
+    assert blocks and names[: len(blocks)] == blocks
+    assert names[len(blocks) : len(blocks) + 2] == ["first token", "first tokens"]
+    rest = [n for n, _, _ in jobs if n not in blocks and not n.startswith("first token")]
+    assert names[len(blocks) + 2 :] == rest
