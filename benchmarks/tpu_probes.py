@@ -12,7 +12,7 @@ from tpu_workloads import run_requests
 
 def prefill_probe(engine, params: int, peak_flops: float, repeats: int = 3) -> list[dict]:
     """The engine's own prefill program, alone on the chip (compiled, nothing else running): per pack of
-    r rows of prefill_pack_tokens, seconds per call, prompt tokens/s and the share of the matmul peak
+    r rows of prefill_pack_tokens and per larger bucket filled by one prompt, seconds per call, prompt tokens/s and the share of the matmul peak
     (2 x parameters per token)."""
     import jax
 
@@ -21,7 +21,10 @@ def prefill_probe(engine, params: int, peak_flops: float, repeats: int = 3) -> l
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     width = min(engine.prefill_pack_tokens, engine.max_prompt_length)
     out = []
-    for r in sorted({1, *engine.pack_rows}):
+    # packs of r rows of width tokens, then one prompt filling each larger bucket
+    shapes = [(r, width) for r in sorted({1, *engine.pack_rows})]
+    shapes += [(1, min(n, engine.max_prompt_length)) for n in engine.prefill_lengths if n > width]
+    for r, width in shapes:
         prompts = [[5 + i] * width for i in range(r)]
 
         def call(prompts=prompts, r=r):
