@@ -12,7 +12,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -78,7 +77,6 @@ def build_model(
     graphdef, state = nnx.split(abstract)
     rules = family.partition_rules
     flat = dict(nnx.to_flat_state(state))
-    placing = []  # (variable, tensor, sharding): placed together once every tensor is checked
     for path, var in flat.items():
         if str(path[-1]) == "scale":
             continue  # placed with the int8 weight it scales, below
@@ -105,13 +103,7 @@ def build_model(
             var.set_value(q)
             flat[scale_path].set_value(scale)
             continue
-        placing.append((var, arr, sharding))
-    # on threads: reading a memory-mapped tensor, its copy and its transfer to the device release the GIL,
-    # and one tensor at a time left the host's cores and the device's link mostly idle
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        placed = list(pool.map(lambda job: place(job[1], job[2], dtype), placing))
-    for (var, _, _), value in zip(placing, placed, strict=True):
-        var.set_value(value)
+        var.set_value(place(arr, sharding, dtype))
     model = nnx.merge(graphdef, state)
     return model
 
@@ -296,22 +288,19 @@ def load_model(
         from .default_model import default_model_path
 
         source = str(default_model_path())
-    # the tokenizer loads on a thread while the weights are placed (a 128K vocabulary: ~1 s of its own)
     if os.path.isdir(source):
         cfg = ModelConfig.from_hf(_read_config(source), source=os.path.join(source, "config.json"))
         tensors = ShardedCheckpoint(source)
-        with ThreadPoolExecutor(max_workers=1) as side:
-            tokenizer = side.submit(_hf_tokenizer, source)
-            model = build_model(
-                cfg,
-                tensors,
-                dtype=dtype,
-                mesh=mesh,
-                source=source,
-                file_of=tensors.file_of,
-                quantization=quantization,
-            )
-            return model, tokenizer.result()
+        model = build_model(
+            cfg,
+            tensors,
+            dtype=dtype,
+            mesh=mesh,
+            source=source,
+            file_of=tensors.file_of,
+            quantization=quantization,
+        )
+        return model, _hf_tokenizer(source)
     if not os.path.exists(source):
         raise CheckpointError(f"{source}: no such file or directory")
     if source.endswith(".gguf"):
@@ -319,10 +308,8 @@ def load_model(
 
         ckpt = read_gguf(source)
         cfg = ModelConfig.from_hf(ckpt.config, source=source)
-        with ThreadPoolExecutor(max_workers=1) as side:
-            tokenizer = side.submit(load_gguf_tokenizer, source)
-            model = build_model(
-                cfg, ckpt.tensors, dtype=dtype, mesh=mesh, source=source, quantization=quantization
-            )
-            return model, tokenizer.result()
+        model = build_model(
+            cfg, ckpt.tensors, dtype=dtype, mesh=mesh, source=source, quantization=quantization
+        )
+        return model, load_gguf_tokenizer(source)
     raise CheckpointError(f"{source}: not a model directory or a .gguf file")
