@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from .drivers import switch_interval
 from .drivers.active_request import ActiveRequest, ReturnChannel
 from .drivers.detokenize import make_decode_fn
 from .drivers.metrics import DriverMetrics, RequestStats
@@ -231,10 +232,18 @@ class vSurge:  # noqa: N801 - the seed's name
         return self.compile_seconds
 
     def start(self) -> None:
+        if not getattr(self, "_switching", False):
+            switch_interval.serving()  # drivers/switch_interval.py
+            self._switching = True
         self._driver.start()
 
     def stop(self) -> None:
-        self._driver.stop()
+        try:
+            self._driver.stop()
+        finally:
+            if getattr(self, "_switching", False):
+                self._switching = False
+                switch_interval.stopped()
 
     def metrics(self) -> DriverMetrics:
         return self._driver.metrics()

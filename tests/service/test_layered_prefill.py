@@ -120,3 +120,27 @@ def test_the_pool_starts_with_the_slowest_programs(tiny):
     assert names[len(blocks) : len(blocks) + 2] == ["first token", "first tokens"]
     rest = [n for n, _, _ in jobs if n not in blocks and not n.startswith("first token")]
     assert names[len(blocks) + 2 :] == rest
+
+
+def test_a_serving_vsurge_hands_the_gil_over_sooner(tiny):
+    """Started, a vSurge shortens the interpreter's switch interval (drivers/switch_interval.py); the last
+    one to stop restores the interval it found."""
+    import sys
+
+    from vsurge.drivers.switch_interval import SERVING_SWITCH_S
+    from vsurge.surge import vSurge
+
+    model, tok = tiny
+    before = sys.getswitchinterval()
+    a = vSurge.create_vdriver(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=32)
+    b = vSurge.create_vdriver(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=32)
+    a.start()
+    try:
+        assert sys.getswitchinterval() == min(before, SERVING_SWITCH_S)
+        b.start()
+        a.stop()
+        assert sys.getswitchinterval() == min(before, SERVING_SWITCH_S)  # b still serves
+    finally:
+        a.stop()
+        b.stop()
+    assert sys.getswitchinterval() == before
