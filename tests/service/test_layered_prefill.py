@@ -38,7 +38,7 @@ def test_the_chain_is_the_models_forward(tiny):
     engine = _engine(tiny)
     prompts = [[5, 6, 7, 8, 9], list(range(20, 31)), [3]]
     packed = engine._pack(prompts, [GREEDY] * 3, None)
-    tokens, positions, segments, totals, starts, lengths, _ = packed
+    tokens, positions, segments, totals, starts, lengths, _, _ = packed
     prefix = engine._prefill(engine.prefill_params, *packed)
     model = engine.model
     meta = (jnp.asarray(positions), jnp.asarray(totals), jnp.asarray(segments))
@@ -144,3 +144,20 @@ def test_a_serving_vsurge_hands_the_gil_over_sooner(tiny):
         a.stop()
         b.stop()
     assert sys.getswitchinterval() == before
+
+
+def test_prompt_masks_packed_on_the_host_are_the_prompts_tokens():
+    """`prompt_mask_words` unpacked on the device marks exactly each prompt's tokens (bit 31 included:
+    the sign bit of an i32 word), rows past the prompts empty."""
+    from vsurge.engines.sampling_penalties import unpack_token_mask
+    from vsurge.engines.sampling_state import prompt_mask_words
+
+    vocab = 100
+    prompts = [[0, 31, 32, 99, 31], [63, 64], [5]]
+    words = prompt_mask_words(prompts, 4, vocab)
+    assert words.shape == (4, 4) and words.dtype == np.int32
+    mask = np.asarray(unpack_token_mask(jnp.asarray(words), vocab))
+    assert mask.shape == (4, vocab)
+    for j, p in enumerate(prompts):
+        assert set(np.flatnonzero(mask[j])) == set(p)
+    assert not mask[3].any()

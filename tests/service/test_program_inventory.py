@@ -96,10 +96,10 @@ def test_the_inventory_lowers_as_the_engine_calls(tiny, cls):
         real = chained(engine, dense_jobs(engine, state))  # each prefill: its chain's three programs
         # the chain's layer and finish on what a real call of the program before each returns
         chain, inner = engine._prefill, engine.prefill_params["model"]
-        tokens, positions, segments, totals, starts, lens, sampling = engine._pack(
+        tokens, positions, segments, totals, starts, lens, words, sampling = engine._pack(
             [[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=1)], None
         )
-        x, tok, pos, seg, tot, lora = chain._embed(
+        x, pos, seg, tot, lora = chain._embed(
             inner["embed_tokens"], tokens, positions, segments, totals, None
         )
         layer = (inner["layers"][1], x, pos, seg, tot, lora)
@@ -109,7 +109,7 @@ def test_the_inventory_lowers_as_the_engine_calls(tiny, cls):
             (
                 "prefill bucket 16: finish",
                 chain._finish,
-                (inner["norm"], h, tok, seg, tot, starts, lens, sampling),
+                (inner["norm"], h, starts, lens, words, sampling),
             ),
         ]
         prefix = engine.prefill([1, 2, 3])

@@ -18,6 +18,7 @@ from ..models.lora import has_bank
 from ..models.target import target_backend
 from .engine_base import constrain, sample_first_token, sample_step, start_slot
 from .sampling import SlotSampling, sample, sharded_sampling
+from .sampling_penalties import unpack_token_mask
 
 
 class GenerationState(NamedTuple):
@@ -46,14 +47,14 @@ class Prefix(NamedTuple):
     sampling: SlotSampling  # K rows
 
 
-def _long_prefix_impl(kv, last, tokens, length, sampling, *, entries: int, vocab: int):
+def _long_prefix_impl(kv, last, words, length, sampling, *, entries: int, vocab: int):
     """A chunked prefill's row as entry 0 of a Prefix (the other entries unused), so insert and the
-    first-token sampler serve it like any pack."""
-    valid = jnp.arange(tokens.shape[0]) < length
-    mask = jnp.zeros((entries, vocab), bool).at[0, jnp.where(valid, tokens, vocab)].set(True, mode="drop")
+    first-token sampler serve it like any pack; ``words``: the prompt mask packed on the host
+    (`sampling_state.prompt_mask_words`)."""
     hidden = jnp.zeros((entries, last.shape[-1]), last.dtype).at[0].set(last)
     starts = jnp.zeros((entries,), jnp.int32)
     lengths = jnp.zeros((entries,), jnp.int32).at[0].set(length)
+    mask = unpack_token_mask(words, vocab)
     return Prefix(tuple((k[None], v[None]) for k, v in kv), hidden, starts, lengths, mask, sampling)
 
 

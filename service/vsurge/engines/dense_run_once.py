@@ -69,7 +69,8 @@ def long_prefix_args(engine: Any) -> tuple:
     sampling = make_slot_sampling([GREEDY] + [None] * (m - 1), stop_ids=[[]] * m)
     row = abstract(jax.eval_shape(c._zeros), rep)
     last = sds((engine.config.hidden_size,), engine.model.dtype, rep)
-    return (row, last, np.zeros(c.row_length, np.int32), np.int32(1), sampling)
+    words = np.zeros((m, -(-engine.config.vocab_size // 32)), np.int32)
+    return (row, last, words, np.int32(1), sampling)
 
 
 def run_once_jobs(engine: Any, state: Any, prefixes: Prefixes) -> list[tuple[str, Any, Callable[[], tuple]]]:

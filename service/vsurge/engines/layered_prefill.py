@@ -6,7 +6,8 @@ were the slowest programs of a start (the 1B shape's 1,024-token prefill: 17 s a
 parallel pool, of a 73 s cold start on a v5e). Every layer has the same structure and shapes, so here a
 shape compiles three programs: ``embed`` (token rows to hidden states), ``layer`` (one decoder layer,
 called once per layer with that layer's weights: one executable for all of them) and ``finish`` (the
-final norm of each prompt's last state, and the prompts' token masks). A prefill dispatches them one
+final norm of each prompt's last state; the prompts' token masks, which the host packs:
+`sampling_state.prompt_mask_words`). A prefill dispatches them one
 after another, asynchronously: the host returns before the device is done, as with one program.
 
 The chain's intermediate arrays stay where the next program expects them: replicated hidden states, and
@@ -32,6 +33,7 @@ from ..models.lora import has_bank, token_slots
 from .dense_programs import Prefix
 from .dense_run_once import abstract
 from .layered_chunk import placed as _placed
+from .sampling_penalties import unpack_token_mask
 
 __all__ = ["LayeredPrefill"]
 
@@ -41,7 +43,7 @@ def _prefill_embed_impl(graphdef, state, tokens, positions, segments, totals, sl
     read them), and with a LoRA bank each token's adapter slot (``slots``: each prompt's)."""
     x = nnx.merge(graphdef, state)(tokens)
     lora = None if slots is None else token_slots(slots, segments)
-    return _placed((x, tokens, positions, segments, totals, lora), rep)
+    return _placed((x, positions, segments, totals, lora), rep)
 
 
 def _prefill_layer_impl(graphdef, state, x, positions, segments, totals, lora, *, window, shardings):
@@ -53,23 +55,18 @@ def _prefill_layer_impl(graphdef, state, x, positions, segments, totals, lora, *
     return _placed((x, k, v), shardings)
 
 
-def _prefill_finish_impl(
-    graphdef, state, x, tokens, segments, totals, starts, lengths, sampling, *, vocab: int, rep
-):
-    """Each prompt's final hidden state (the model's last norm, at its last token) and its prompt mask."""
-    r, t = tokens.shape
+def _prefill_finish_impl(graphdef, state, x, starts, lengths, words, sampling, *, vocab: int, rep):
+    """Each prompt's final hidden state (the model's last norm, at its last token) and its prompt mask,
+    unpacked from the words the host packed (`sampling_state.prompt_mask_words`)."""
+    r, t = x.shape[:2]
     last = nnx.merge(graphdef, state)(x.reshape(r * t, -1)[jnp.maximum(starts + lengths - 1, 0)])
-    valid = (jnp.arange(t)[None, :] < totals[:, None]).reshape(-1)
-    seg, tok = segments.reshape(-1), tokens.reshape(-1)
-    # padding scatters to index V, which mode="drop" discards
-    mask = jnp.zeros((starts.shape[0], vocab), bool)
-    mask = mask.at[jnp.where(valid, seg, 0), jnp.where(valid, tok, vocab)].set(True, mode="drop")
-    return _placed((last, starts, lengths, mask, sampling), rep)
+    return _placed((last, starts, lengths, unpack_token_mask(words, vocab), sampling), rep)
 
 
 class LayeredPrefill:
     """The three programs of vEngine's prefill and the chain that runs them; called like the one program
-    it replaces: ``prefill(params, tokens, positions, segments, totals, starts, lengths, sampling)``."""
+    it replaces: ``prefill(params, tokens, positions, segments, totals, starts, lengths, words, sampling)``
+    (vEngine._pack's arrays; ``words``: the prompt masks packed on the host)."""
 
     def __init__(self, engine: Any):
         model = engine.model
@@ -100,11 +97,13 @@ class LayeredPrefill:
     def _slots(self, sampling: Any) -> Any:
         return sampling.lora if self.bank else None
 
-    def __call__(self, params, tokens, positions, segments, totals, starts, lengths, sampling) -> Prefix:
+    def __call__(
+        self, params, tokens, positions, segments, totals, starts, lengths, words, sampling
+    ) -> Prefix:
         inner = params["model"]
         layers = [inner["layers"][i] for i in range(self.num_layers)]
         with self.lock:
-            x, tokens, positions, segments, totals, lora = self._embed(
+            x, positions, segments, totals, lora = self._embed(
                 inner["embed_tokens"], tokens, positions, segments, totals, self._slots(sampling)
             )
             kv = []
@@ -112,7 +111,7 @@ class LayeredPrefill:
                 x, k, v = self._layer(layer, x, positions, segments, totals, lora)
                 kv.append((k, v))
             last, starts, lengths, mask, sampling = self._finish(
-                inner["norm"], x, tokens, segments, totals, starts, lengths, sampling
+                inner["norm"], x, starts, lengths, words, sampling
             )
         return Prefix(tuple(kv), last, starts, lengths, mask, sampling)
 
@@ -126,7 +125,7 @@ class LayeredPrefill:
         where a call leaves it."""
 
         def embed() -> tuple:
-            params, tokens, positions, segments, totals, _, _, sampling = make_args()
+            params, tokens, positions, segments, totals, *_, sampling = make_args()
             return (
                 params["model"]["embed_tokens"],
                 tokens,
@@ -140,14 +139,13 @@ class LayeredPrefill:
             return abstract(jax.eval_shape(self._embed, *embed()), self._rep())
 
         def layer() -> tuple:
-            x, _, positions, segments, totals, lora = embedded()
+            x, positions, segments, totals, lora = embedded()
             return (make_args()[0]["model"]["layers"][0], x, positions, segments, totals, lora)
 
         def finish() -> tuple:
-            params, _, _, _, _, starts, lengths, sampling = make_args()
-            _, tokens, _, segments, totals, _ = embedded()
+            params, *_, starts, lengths, words, sampling = make_args()
             x = abstract(jax.eval_shape(self._layer, *layer())[0], self._rep())
-            return (params["model"]["norm"], x, tokens, segments, totals, starts, lengths, sampling)
+            return (params["model"]["norm"], x, starts, lengths, words, sampling)
 
         return [
             (f"{name}: embed", self._embed, embed),

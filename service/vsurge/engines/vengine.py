@@ -47,6 +47,7 @@ from .sampling import (
     SlotSampling,
     make_slot_sampling,
 )
+from .sampling_state import prompt_mask_words
 from .seed_dense import DenseSeedLayer
 from .seed_layer import seed_forms
 from .slot_moves import move_args, move_rows_program
@@ -228,12 +229,11 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         n = self.check_prompt(tokens)
         want = params.prompt_logprobs is not None
         rows, last, parts = self.chunked.run(tokens, want, adapter)
-        padded = np.full(self.chunked.row_length, self.pad_token_id, np.int32)
-        padded[:n] = tokens
         k = self.max_concurrent_prefill
+        words = prompt_mask_words([tokens], k, self.config.vocab_size)
         stops = [list(stop_ids)[:DEFAULT_MAX_STOP_IDS]] + [[]] * (k - 1)
         sampling = make_slot_sampling([params] + [None] * (k - 1), stop_ids=stops, adapters=[adapter])
-        prefix = self._long_prefix(rows, last, padded, np.int32(n), sampling)
+        prefix = self._long_prefix(rows, last, words, np.int32(n), sampling)
         lps = ChunkedPrefill.prompt_logprobs(tokens, parts, params.prompt_logprobs) if want else None
         return prefix, lps
 
@@ -292,7 +292,8 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         sampling = make_slot_sampling(
             list(params) + [None] * pad, stop_ids=stops + [[]] * pad, adapters=adapters
         )
-        return tokens, positions, segments, totals, starts, lens, sampling
+        words = prompt_mask_words(prompts, k, self.config.vocab_size)
+        return tokens, positions, segments, totals, starts, lens, words, sampling
 
     def insert(
         self,
