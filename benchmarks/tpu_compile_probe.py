@@ -45,8 +45,8 @@ def main() -> None:
     args = p.parse_args()
 
     import jax
-
     from tpu_checkpoint import hf_config
+
     from vsurge.engines.program_inventory import programs
     from vsurge.engines.vengine import vEngine
     from vsurge.models.config import ModelConfig
@@ -54,7 +54,9 @@ def main() -> None:
 
     t_start = time.perf_counter()
     cfg = ModelConfig.from_hf(hf_config(args.shape), source=args.shape)
-    engine = vEngine(abstract_model(cfg, mesh=None), None, max_concurrent_decodes=args.batch, max_length=args.max_length)
+    engine = vEngine(
+        abstract_model(cfg, mesh=None), None, max_concurrent_decodes=args.batch, max_length=args.max_length
+    )
     progs = programs(engine)
     if not args.all:
         # per kind, the program of the largest sizes (the slowest to compile of its kind)

@@ -7,8 +7,9 @@ parallel pool, of a 73 s cold start on a v5e). Every layer has the same structur
 shape compiles three programs: ``embed`` (token rows to hidden states), ``layer`` (one decoder layer,
 called once per layer with that layer's weights: one executable for all of them) and ``finish`` (the
 final norm of each prompt's last state; the prompts' token masks, which the host packs:
-`sampling_state.prompt_mask_words`). A prefill dispatches them one
-after another, asynchronously: the host returns before the device is done, as with one program.
+`sampling_state.prompt_mask_words`). A prefill dispatches them one after another, asynchronously: the
+host returns before the device is done, as with one program. It holds the engine's dispatch lock
+meanwhile (the decode steps take it too), so its programs stay together on the device's queue.
 
 The chain's intermediate arrays stay where the next program expects them: replicated hidden states, and
 each layer's K/V where a prefix must live to be inserted (`get_prefix_destination_sharding`), so each
