@@ -5,8 +5,8 @@ A prompt of n tokens runs as chunks of at most `max_prefill_length` tokens, each
 chunk buckets (the smallest prefill bucket of at least 128 tokens, and the largest: each bucket is
 programs to compile, and a short chunk padded to 128 tokens costs little); chunk i starts at
 i * max_prefill_length and attends to the row written by the chunks before it (`ChunkAttention`), one
-decoder layer per program (layered_chunk.py). The row is `round_up(max_length, max_prefill_length)` long, so no chunk's write is
-ever clamped. Per chunk, when asked, one more program turns the chunk's hidden states into the logprob of
+decoder layer per program (layered_chunk.py). The row is `round_up(max_length, max_prefill_length)`
+long, so no chunk's write is ever clamped. Per chunk, when asked, one more program turns the chunk's hidden states into the logprob of
 each next prompt token and the top `MAX_TOP_LOGPROBS`: the normal prefill never pays for logits at every
 position. Every (bucket) shape is compiled with the engine; both engines use this (vEngine also inserts the
 row into a slot; oEngine only scores).
@@ -77,8 +77,8 @@ class ChunkedPrefill:
         def zero_rows() -> Rows:
             return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(layers))
 
-        # committed where a chunk leaves its row, so the first chunk and the later ones are one program
-        # signature, not two to compile (single device; on a mesh the chunk program picks its own)
+        # committed where a chunk leaves its row (the chunk's layer programs keep rows whole), so the first
+        # chunk and the later ones are one program signature, not two to compile
         self._zeros = jax.jit(zero_rows, out_shardings=self._whole())
         # a chunk: the embedding, one program per layer (the same for all), the final norm
         self._extend = LayeredChunk(graphdef, params, self._whole())

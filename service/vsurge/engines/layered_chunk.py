@@ -50,14 +50,13 @@ class LayeredChunk:
     def __init__(self, graphdef: Any, params: Any, whole: Any):
         model = nnx.merge(graphdef, params)
         inner = model.model
-        self.num_layers = len(inner.layers)
-        self.window = model.config.sliding_window
+        window = model.config.sliding_window
         self.place = whole
         # constrained inside the programs on a mesh; on one device every array is where it must be
         whole = whole if isinstance(whole, jax.sharding.NamedSharding) else None
         self._embed = jax.jit(partial(_chunk_embed_impl, nnx.graphdef(inner.embed_tokens), whole=whole))
         self._layer = jax.jit(
-            partial(_chunk_layer_impl, nnx.graphdef(inner.layers[0]), window=self.window, whole=whole),
+            partial(_chunk_layer_impl, nnx.graphdef(inner.layers[0]), window=window, whole=whole),
             donate_argnums=(1,),
         )
         self._finish = jax.jit(partial(_chunk_finish_impl, nnx.graphdef(inner.norm)))

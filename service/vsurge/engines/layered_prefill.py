@@ -76,14 +76,13 @@ class LayeredPrefill:
         self.bank = has_bank(model)
         rep = engine._replicated() if engine.mesh is not None else None
         kv = engine.get_prefix_destination_sharding().kv[0][0] if engine.mesh is not None else None
-        self.shardings = None if rep is None else (rep, kv, kv)
         self._embed = jax.jit(partial(_prefill_embed_impl, nnx.graphdef(inner.embed_tokens), rep=rep))
         self._layer = jax.jit(
             partial(
                 _prefill_layer_impl,
                 nnx.graphdef(inner.layers[0]),
                 window=model.config.sliding_window,
-                shardings=self.shardings,
+                shardings=None if rep is None else (rep, kv, kv),
             )
         )
         self._finish = jax.jit(
