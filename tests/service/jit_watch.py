@@ -63,7 +63,12 @@ def live_mix(seed: int = 5) -> list[vSurgeRequest]:
 
 
 def compiled_while_serving(surge) -> list[str]:
-    """Start a compiled vSurge, serve `live_mix()` to the end, stop it; returns what was compiled meanwhile."""
+    """Start a compiled vSurge, serve `live_mix()` to the end, stop it; returns what was compiled meanwhile,
+    and each program a call reached with a signature start-up did not compile (run by its jit:
+    engines/aot_program.py), as ``"run by jit: <name>"``."""
+    from vsurge.engines.aot_program import missed
+
+    seen = len(missed())
     with compilations() as compiled:
         surge.start()
         try:
@@ -72,4 +77,4 @@ def compiled_while_serving(surge) -> list[str]:
                 assert sum(len(x.token_ids) for items in a.channel for x in items) > 0
         finally:
             surge.stop()
-    return compiled
+    return compiled + [f"run by jit: {name}" for name in missed()[seen:]]

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..models.lora import has_bank
 from ..request import TokenLogprob
 from ..sampling_params import MAX_TOP_LOGPROBS
+from .aot_program import program
 from .layered_chunk import LayeredChunk
 from .sampling import _top_k, sharded_sampling
 
@@ -79,12 +80,12 @@ class ChunkedPrefill:
 
         # committed where a chunk leaves its row (the chunk's layer programs keep rows whole), so the first
         # chunk and the later ones are one program signature, not two to compile
-        self._zeros = jax.jit(zero_rows, out_shardings=self._whole())
+        self._zeros = program(zero_rows, out_shardings=self._whole())
         # a chunk: the embedding, one program per layer (the same for all), the final norm
         self._extend = LayeredChunk(graphdef, params, self._whole())
         leaf = jax.tree_util.tree_leaves(params)[0]
         sharded = isinstance(getattr(leaf, "sharding", None), NamedSharding)  # placed on a mesh
-        self._logprobs = jax.jit(partial(_logprobs_impl, graphdef, sharded=sharded))
+        self._logprobs = program(partial(_logprobs_impl, graphdef, sharded=sharded))
         # the adapter argument exists only with a LoRA bank: without, the programs are those of before
         self.lora = has_bank(nnx.merge(graphdef, params))
 

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .aot_program import program
 from .spec_verify import VerifyStep
 
 __all__ = ["DecodeBlocks", "decode_block_impl"]
@@ -55,7 +56,7 @@ class DecodeBlocks:
     def __init__(self, engine: Any, steps: int, decode_impl, **kw: Any):
         self.engine, self.steps = engine, steps
         self.programs = {
-            rows: jax.jit(
+            rows: program(
                 partial(decode_block_impl, decode_impl, engine.graphdef, steps=steps, rows=rows, **kw),
                 donate_argnums=(1,),
             )

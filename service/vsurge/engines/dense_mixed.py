@@ -34,6 +34,7 @@ from flax import nnx
 
 from ..models.attention import DenseMixedAttention
 from ..models.lora import has_bank
+from .aot_program import program
 from .engine_base import constrain, sample_first_token, sample_step, start_slot
 from .sampling import SampleResult, SlotSampling
 
@@ -165,10 +166,10 @@ class DenseMixedStep:
             shardings=engine._state_shardings,
         )
         self._fns = {
-            r: jax.jit(partial(_mixed_impl, engine.graphdef, rows=r, **common), donate_argnums=(1,))
+            r: program(partial(_mixed_impl, engine.graphdef, rows=r, **common), donate_argnums=(1,))
             for r in engine.decode_rows
         }
-        self._seat = jax.jit(partial(_seat_impl, engine.graphdef, **common), donate_argnums=(1,))
+        self._seat = program(partial(_seat_impl, engine.graphdef, **common), donate_argnums=(1,))
         # chunks of many tokens: the bfloat16 kernels when a knob asked for them (as packed prefill)
         self.params = engine._bf16 if engine._bf16 is not None else engine.params
         # the chunks' adapter argument exists only with a LoRA bank: without, the programs are those of before

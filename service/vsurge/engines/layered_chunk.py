@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..models.attention import ChunkAttention
+from .aot_program import program
 from .dense_run_once import abstract
 
 __all__ = ["LayeredChunk", "placed"]
@@ -54,12 +55,12 @@ class LayeredChunk:
         self.place = whole
         # constrained inside the programs on a mesh; on one device every array is where it must be
         whole = whole if isinstance(whole, jax.sharding.NamedSharding) else None
-        self._embed = jax.jit(partial(_chunk_embed_impl, nnx.graphdef(inner.embed_tokens), whole=whole))
-        self._layer = jax.jit(
+        self._embed = program(partial(_chunk_embed_impl, nnx.graphdef(inner.embed_tokens), whole=whole))
+        self._layer = program(
             partial(_chunk_layer_impl, nnx.graphdef(inner.layers[0]), window=window, whole=whole),
             donate_argnums=(1,),
         )
-        self._finish = jax.jit(partial(_chunk_finish_impl, nnx.graphdef(inner.norm)))
+        self._finish = program(partial(_chunk_finish_impl, nnx.graphdef(inner.norm)))
 
     def __call__(self, params, rows, tokens, start, adapter=None) -> tuple[Any, jax.Array]:
         inner = params["model"]

@@ -31,6 +31,7 @@ from flax import nnx
 
 from ..models.attention import PrefillAttention
 from ..models.lora import has_bank, token_slots
+from .aot_program import program
 from .dense_programs import Prefix
 from .dense_run_once import abstract
 from .layered_chunk import placed as _placed
@@ -76,8 +77,8 @@ class LayeredPrefill:
         self.bank = has_bank(model)
         rep = engine._replicated() if engine.mesh is not None else None
         kv = engine.get_prefix_destination_sharding().kv[0][0] if engine.mesh is not None else None
-        self._embed = jax.jit(partial(_prefill_embed_impl, nnx.graphdef(inner.embed_tokens), rep=rep))
-        self._layer = jax.jit(
+        self._embed = program(partial(_prefill_embed_impl, nnx.graphdef(inner.embed_tokens), rep=rep))
+        self._layer = program(
             partial(
                 _prefill_layer_impl,
                 nnx.graphdef(inner.layers[0]),
@@ -85,7 +86,7 @@ class LayeredPrefill:
                 shardings=None if rep is None else (rep, kv, kv),
             )
         )
-        self._finish = jax.jit(
+        self._finish = program(
             partial(_prefill_finish_impl, nnx.graphdef(inner.norm), vocab=model.config.vocab_size, rep=rep)
         )
         self._rep = engine._replicated

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
+from .aot_program import program
 from .engine_base import constrain
 
 
@@ -60,7 +61,7 @@ def _move_rows_impl(state, src, dst, n):
 def move_rows_program(shardings: object) -> object:
     """The jitted move program: (state, src, dst, n) -> state, the state donated and kept in its
     shardings (None: one device)."""
-    return jax.jit(
+    return program(
         lambda state, src, dst, n: constrain(_move_rows_impl(state, src, dst, n), shardings),
         donate_argnums=0,
     )

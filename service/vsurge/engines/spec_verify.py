@@ -33,6 +33,7 @@ from flax import nnx
 from ..models.attention import as_given, flat_cache, kv_store, read_chunk, read_dense_rows, to_flat
 from ..models.lora import has_bank
 from ..sampling_params import SamplingParams
+from .aot_program import program
 from .engine_base import constrain, sampling_context
 from .sampling import SlotSampling, sample
 from .speculative import verify
@@ -155,7 +156,7 @@ class SpeculativeVerifier:
         self.engine = engine
         self.k = int(num_speculative_tokens)
         self._fns = {
-            rows: jax.jit(
+            rows: program(
                 partial(
                     _verify_step_impl,
                     engine.graphdef,

@@ -21,6 +21,7 @@ import numpy as np
 from ..engine_config import DEFAULT_SEED, EngineConfig
 from ..sampling_params import SamplingParams
 from ..seed_args import ENGINE_ARGS, default, seed_engine_config
+from .aot_program import program
 from .bf16_weights import bf16_kernels, decode_weights
 from .chunked_prefill import ChunkedPrefill
 from .decode_block import DecodeBlocks
@@ -107,13 +108,13 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
             rows: decode_weights(self.params, self._bf16, config.decode_dtype, rows)
             for rows in self.decode_rows
         }
-        self._first = jax.jit(
+        self._first = program(
             partial(_first_impl, self.graphdef, num_top=num_top_logprobs, logits_sharding=logits_sharding)
         )
-        self._firsts = jax.jit(
+        self._firsts = program(
             partial(_firsts_impl, self.graphdef, num_top=num_top_logprobs, logits_sharding=logits_sharding)
         )
-        self._insert = jax.jit(partial(_insert_impl, shardings=self._state_shardings), donate_argnums=(1,))
+        self._insert = program(partial(_insert_impl, shardings=self._state_shardings), donate_argnums=(1,))
         # packs stay small: on XLA:CPU prefill costs least per token at 128-256 tokens, and a small pack
         # reaches the decode batch sooner (measured: 128 beats 64 and 512 by 3-8% at 32 concurrent)
         self.prefill_pack_tokens = min(config.prefill_pack_tokens, self.max_prefill_length)
@@ -122,7 +123,7 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         most = min(self.max_concurrent_prefill, self.max_concurrent_decodes)
         self.pack_rows = [r for r in row_counts(config.prefill_pack_rows) if r <= most]
         self._decode = {
-            rows: jax.jit(
+            rows: program(
                 partial(
                     _decode_impl,
                     self.graphdef,
@@ -152,7 +153,7 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         )
         # structured output's split step: the model, then the sampler with the token mask (per row count)
         self._forward = {
-            rows: jax.jit(
+            rows: program(
                 partial(_forward_impl, self.graphdef, rows=rows, logits_sharding=logits_sharding),
                 donate_argnums=(1,),
             )
@@ -165,7 +166,7 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         self.structured_ready = threading.Event()  # warm_structured has run
         self._zeros = None
         self.chunked = self._make_chunked(self.prefill_params)
-        self._long_prefix = jax.jit(
+        self._long_prefix = program(
             partial(_long_prefix_impl, entries=self.max_concurrent_prefill, vocab=self.config.vocab_size)
         )
         # n-gram speculative decoding: the verify step per row bucket (spec_verify.py)
