@@ -58,6 +58,11 @@ ENV_ONLY: dict[str, tuple[str, str]] = {
         "by backend",
         "`cpu` or `tpu`: force the on-device sampler's form (testing and benchmarks)",
     ),
+    "VSURGE_EXECUTABLE_STORE": (
+        "auto",
+        "keep each engine program's compiled executable under JAX's compilation cache dir and read it back at "
+        "the next start, skipping tracing and lowering: `auto` (on off the CPU), `1` or `0`",
+    ),
     "VSURGE_PALLAS_KERNEL": (
         "by backend",
         "`mosaic`, `interpret` or `reference`: force what runs inside the paged attention kernel's `shard_map`",

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..executable_store import store_for
 from .compile_watch import compiled_during
 from .dense_run_once import GREEDY, Prefixes, long_prefix_args, run_once_jobs
 from .engine_base import compile_jobs
@@ -157,18 +158,19 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
     state = engine.init_decode_state()
     jobs = program_jobs(engine, state)
     prefill = {name: (fn, args) for name, fn, args in jobs if fn is engine._prefill}
-    prefill["a chunked prefill"] = (engine._long_prefix, long_prefix_args(engine))
-    jobs = chained(engine, jobs)
+    prefill["a chunked prefill"] = (engine._long_prefix, lambda: long_prefix_args(engine))
+    # the chain's arguments made in the pool, and only for programs the store does not hold: each traces
+    # the programs before it
+    jobs = chained(engine, jobs, made=False)
     jobs.append(("chunked prefill's prefix", *prefill["a chunked prefill"]))
     if jax.default_backend() != "cpu":
         # XLA:CPU segfaulted deserializing these programs from the persistent cache once compiled this way
         # (tests/service/test_dense_mixed.py, 3 runs of 3; 0 of 1 without them in the pool); on TPU they
         # compiled, ran and were read back from the cache (2026-12-06). On CPU they compile on first run.
-        jobs += [
-            (name, fn, make()) for name, fn, make in run_once_jobs(engine, state, Prefixes(engine, prefill))
-        ]
+        jobs += run_once_jobs(engine, state, Prefixes(engine, prefill))
+    store = store_for(engine)
     with compiled_during() as in_pool:
-        times = compile_jobs(longest_first(engine, jobs), say)
+        times = compile_jobs(longest_first(engine, jobs), say, store)
     pool_s = time.perf_counter() - t0
     with compiled_during() as after_pool:
         state = _run_each_once(engine, state, say)
@@ -177,6 +179,9 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
         engine.free_resource(0)
         del state
     engine.compiled = True
+    engine.executable_store = store
+    if store is not None:
+        store.finish()  # the executables compiled here are written on the store's thread
     total = time.perf_counter() - t0
     engine.compile_report = dict(
         programs=len(jobs),
@@ -185,6 +190,7 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
         slowest=sorted(times, key=lambda x: -x[1])[:8],  # lowering and compiling, per job
         total_s=round(total, 2),
         after_pool=sorted(after_pool, key=lambda x: -x[1]),
+        executables=None if store is None else store.report(),
     )
     say(
         f"compiled {len(jobs)} programs in {total:.1f}s ({pool_s:.1f}s in parallel; {len(after_pool)} "
@@ -240,7 +246,10 @@ def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) 
         words = -(-v // 32)
         key = np.zeros(2, np.uint32)
         jobs = structured_jobs(engine, state, prefix)
-        compile_jobs(jobs, say)
+        store = store_for(engine)
+        compile_jobs(jobs, say, store)
+        if store is not None:
+            store.finish(index=False)  # prefetched at a start: only what compile() needs before ready
         # one real call of each on a throwaway state: the jit dispatch caches then hold the live
         # signatures (tracing and lowering happen here, never on the step thread)
         dummy, pre = jax.tree.map(_zeros_of, (state, prefix))

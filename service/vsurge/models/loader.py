@@ -251,6 +251,14 @@ def _hf_tokenizer(directory: str):
     return AutoTokenizer.from_pretrained(directory)
 
 
+def _prefetch_executables(cfg: ModelConfig, dtype: Any, quantization: str | None) -> None:
+    """Start reading the executables the last engine on this model kept (executable_store.py), so they
+    load while the weights do."""
+    from ..executable_store import prefetch
+
+    prefetch(cfg, resolve_dtype(dtype), check_quantization(quantization))
+
+
 def load_model(
     source: str | os.PathLike,
     *,
@@ -290,6 +298,7 @@ def load_model(
         source = str(default_model_path())
     if os.path.isdir(source):
         cfg = ModelConfig.from_hf(_read_config(source), source=os.path.join(source, "config.json"))
+        _prefetch_executables(cfg, dtype, quantization)
         tensors = ShardedCheckpoint(source)
         model = build_model(
             cfg,
@@ -300,6 +309,8 @@ def load_model(
             file_of=tensors.file_of,
             quantization=quantization,
         )
+        # the tokenizer after the weights, not beside them: on a v5e host a tokenizer thread took 9.7 s
+        # instead of 3.6 s while the weights were placed (1B shape)
         return model, _hf_tokenizer(source)
     if not os.path.exists(source):
         raise CheckpointError(f"{source}: no such file or directory")
@@ -308,6 +319,7 @@ def load_model(
 
         ckpt = read_gguf(source)
         cfg = ModelConfig.from_hf(ckpt.config, source=source)
+        _prefetch_executables(cfg, dtype, quantization)
         model = build_model(
             cfg, ckpt.tensors, dtype=dtype, mesh=mesh, source=source, quantization=quantization
         )

@@ -1,0 +1,183 @@
+"""The executable store: a program compiled once is read back whole (no trace, no lowering, no compile),
+by a key that changes with anything that decides the program; unreadable files are compiled over; a
+second `vsurge` process reads its engine's programs while the weights load and decodes the same tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from functools import partial
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vsurge import executable_store as es
+from vsurge.engines.aot_program import AotProgram
+from vsurge.engines.compile_watch import compiled_during
+from vsurge.engines.engine_base import compile_jobs
+
+
+def _affine(x, w, *, scale):
+    return (x @ w) * scale
+
+
+def _program(scale: float = 2.0) -> AotProgram:
+    return AotProgram(partial(_affine, scale=scale))
+
+
+ARGS = (np.ones((4, 8), np.float32), np.ones((8, 3), np.float32))
+
+
+def _store(tmp_path: Path, key: str = "engine") -> es.ExecutableStore:
+    return es.ExecutableStore(tmp_path, key, "model")
+
+
+def _compile(store, program, say=lambda _: None):
+    with compiled_during() as compiled:
+        compile_jobs([("affine", program, ARGS)], say, store)
+    return compiled
+
+
+def test_enabled_follows_the_variable(monkeypatch):
+    monkeypatch.delenv(es.ENV, raising=False)
+    assert es.enabled("tpu") and not es.enabled("cpu")
+    monkeypatch.setenv(es.ENV, "1")
+    assert es.enabled("cpu")
+    monkeypatch.setenv(es.ENV, "0")
+    assert not es.enabled("tpu")
+    monkeypatch.setenv(es.ENV, "sometimes")
+    with pytest.raises(ValueError, match="VSURGE_EXECUTABLE_STORE"):
+        es.enabled("tpu")
+
+
+def test_describe_names_functions_and_bound_values_without_addresses():
+    text = es.describe(partial(_affine, scale=2.0))
+    assert text == f"partial({__name__}._affine, scale=2.0)"
+    assert es.describe(partial(_affine, scale=3.0)) != text
+    assert " at 0x" not in es.describe(partial(_affine, object(), scale=2.0))
+
+
+def test_a_kept_program_is_read_back_not_compiled(tmp_path):
+    first = _store(tmp_path)
+    assert _compile(first, _program())  # compiled
+    first.finish()
+    first.wait()
+    assert first.report()["written"] == 1
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index == {"model": {"key": "engine", "files": first.used}}
+
+    again, program = _store(tmp_path), _program()
+    assert _compile(again, program) == []  # nothing traced to XLA: read whole
+    assert again.report()["read"] == 1 and program.executables == 1
+    np.testing.assert_allclose(np.asarray(program(*ARGS)), np.full((4, 3), 16.0))
+
+
+def test_another_bound_value_or_engine_key_is_another_program(tmp_path):
+    first = _store(tmp_path)
+    _compile(first, _program(2.0))
+    first.finish()
+    first.wait()
+    other = _store(tmp_path)
+    assert _compile(other, _program(3.0))  # scale=3 is not scale=2's executable
+    assert other.report()["read"] == 0
+    elsewhere = _store(tmp_path, key="another engine")
+    assert _compile(elsewhere, _program(2.0))
+    assert elsewhere.report()["read"] == 0
+
+
+def test_an_unreadable_file_is_compiled_over(tmp_path, caplog):
+    first = _store(tmp_path)
+    _compile(first, _program())
+    first.finish()
+    first.wait()
+    (kept,) = (tmp_path / "engine").glob("*.pkl")
+    kept.write_bytes(kept.read_bytes()[:100])  # truncated
+    again, program = _store(tmp_path), _program()
+    with caplog.at_level(logging.WARNING, logger="vsurge.executable_store"):
+        assert _compile(again, program)
+    assert "unreadable" in caplog.text
+    np.testing.assert_allclose(np.asarray(program(*ARGS)), np.full((4, 3), 16.0))
+
+
+def test_prefetch_reads_what_the_index_names_before_the_engine_asks(tmp_path):
+    cfg, dtype = "a model config", jnp.float32
+    first = es.ExecutableStore(tmp_path, "engine", es.model_key(cfg, dtype, "none"))
+    _compile(first, _program())
+    first.finish()
+    first.wait()
+    assert es.prefetch(cfg, dtype, "int8", top=tmp_path) == 0  # another model: nothing
+    assert es.prefetch(cfg, dtype, "none", top=tmp_path) == 1
+    again, program = es.ExecutableStore(tmp_path, "engine", first.model), _program()
+    assert again.has("affine", program)
+    assert _compile(again, program) == []
+    assert again.report()["prefetched"] == again.report()["read"] == 1
+
+
+START = textwrap.dedent(
+    """
+    import json, sys
+    import vsurge
+    from vsurge.compilation_cache import enable_compilation_cache
+    from vsurge.engines.aot_program import missed
+    from vsurge.request import vSurgeRequest
+
+    def greedy(prompt):
+        request = vSurgeRequest(prompt=prompt, max_tokens=6, temperature=0.0, ignore_eos=True,
+                                is_client_side_tokenization=True)
+        return [t for items in surge.submit(request).channel for x in items for t in x.token_ids]
+
+    enable_compilation_cache()
+    model, tok = vsurge.load_model(sys.argv[1])
+    surge = vsurge.vSurge.create(
+        model, tok, vsurge.EngineConfig(max_concurrent_decodes=2, max_length=64, prefill_lengths=[16, 32])
+    )
+    surge.compile()
+    engine = surge.driver.engines[0]
+    surge.start()
+    try:
+        tokens = [greedy([5, 6, 7, 8]), greedy(list(range(3, 30)))]
+    finally:
+        surge.stop()
+    engine.executable_store.wait()
+    report = engine.compile_report
+    print(json.dumps(dict(tokens=tokens, executables=engine.executable_store.report(),
+                          pool=report["pool"], missed=missed())))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_second_process_reads_its_programs_and_decodes_the_same(tiny_checkpoint, tmp_path):
+    path, _ = tiny_checkpoint("llama", heads=8, kv_heads=4)
+    env = dict(os.environ, VSURGE_CACHE_DIR=str(tmp_path), VSURGE_EXECUTABLE_STORE="1")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", START, path], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["tokens"] == warm["tokens"] and all(len(t) == 6 for t in cold["tokens"])
+    assert cold["missed"] == warm["missed"] == []
+    kept = cold["executables"]["written"]
+    assert kept >= 10 and cold["executables"]["read"] == 0
+    # the second start read every kept program, each prefetched while the weights loaded; it compiled
+    # only what XLA:CPU cannot serialize (its sort comparator: the prompt-logprobs programs)
+    assert warm["executables"]["read"] == warm["executables"]["prefetched"] == kept
+    unkept = cold["executables"]["queued"] - kept
+    assert warm["executables"]["queued"] == unkept
+    assert all("logprobs" in name for name in warm["pool"]), warm["pool"]
+    # JAX's own cache holds no second copy of a kept program (on CPU the inserts and first-token
+    # samplers compile on their first run, outside the pool: dense_warmup.compile_engine)
+    jax_entries = [p.name for p in (tmp_path / "jax").iterdir()]
+    assert any(n.startswith("jit__insert_impl-") for n in jax_entries)
+    for kept_program in ("_decode_impl", "_prefill_layer_impl", "_prefill_embed_impl", "_chunk_layer_impl"):
+        assert not any(n.startswith(f"jit_{kept_program}-") for n in jax_entries), kept_program
