@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -75,6 +76,13 @@ def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float, raw_w
     out["compile_breakdown"] = breakdown.close()
     engine = surge.driver.engines[0]
     out["compile_report"] = getattr(engine, "compile_report", None)
+    store = getattr(engine, "executable_store", None)
+    if store is not None:
+        # the executables a cold start compiled are written after it, on a thread of their own: measured
+        # once they are on disk, so the serving figures are the steady state's
+        t0 = time.perf_counter()
+        store.wait()
+        out["executables_written"] = dict(store.report(), waited_s=round(time.perf_counter() - t0, 2))
     if path == "vdriver" and time.perf_counter() < deadline:
         out["prefill"] = prefill_probe(engine, param_count(model), args.peak_flops)
     surge.start()
@@ -100,7 +108,42 @@ def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float, raw_w
             out["busy_rows"] = busy_rows_experiment(surge, engine, args, fixed, mixed, deadline)
     finally:
         surge.stop()
+    out["calls_run_by_jit"] = missed_programs()
     return out
+
+
+def missed_programs() -> list[str]:
+    """The programs a call reached with a signature start-up did not compile (engines/aot_program.py)."""
+    from vsurge.engines.aot_program import missed
+
+    return sorted(set(missed()))
+
+
+@contextlib.contextmanager
+def load_phases():
+    """Seconds of `load_model`'s two parts (weights placed, tokenizer read), timed around the loader's
+    own functions for the block (the benchmark's view; the loader keeps no timers)."""
+    from vsurge.models import loader
+
+    phases: dict[str, float] = {}
+    originals = {"weights_s": loader.build_model, "tokenizer_s": loader._hf_tokenizer}
+
+    def timed(key, fn):
+        def run(*a, **kw):
+            tic = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                phases[key] = phases.get(key, 0.0) + time.perf_counter() - tic
+
+        return run
+
+    loader.build_model = timed("weights_s", originals["weights_s"])
+    loader._hf_tokenizer = timed("tokenizer_s", originals["tokenizer_s"])
+    try:
+        yield phases
+    finally:
+        loader.build_model, loader._hf_tokenizer = originals["weights_s"], originals["tokenizer_s"]
 
 
 def warm_start(args) -> None:
@@ -116,8 +159,10 @@ def warm_start(args) -> None:
     OUT["backend_init_s"] = time.perf_counter() - t_init
     t0 = time.perf_counter()
     breakdown = StartBreakdown()
-    model, tok = vsurge.load_model(args.ckpt, quantization=args.quant)
+    with load_phases() as phases:
+        model, tok = vsurge.load_model(args.ckpt, quantization=args.quant)
     OUT["load_s"] = time.perf_counter() - t0
+    OUT["load_phases"] = phases
     path = args.paths.split(",")[0]
     t1 = time.perf_counter()
     surge = vsurge.vSurge.create(model, tok, engine_config(path, args.batch, args.max_length))
@@ -131,6 +176,7 @@ def warm_start(args) -> None:
     OUT["ready_s"] = time.perf_counter() - t0
     OUT["ready_from_process_s"] = time.perf_counter() - T_PROCESS
     surge.stop()
+    OUT["calls_run_by_jit"] = missed_programs()
 
 
 def first_mismatch(ref_model, prompts, got, want, ref_logits, cpu) -> list[dict]:
@@ -269,8 +315,10 @@ def main(argv=None) -> int:
         dev = jax.devices()[0]
         OUT.update(device=dev.device_kind, backend_init_s=time.perf_counter() - t0)
         t0 = time.perf_counter()
-        model, tok = vsurge.load_model(args.ckpt, quantization=args.quant)
+        with load_phases() as phases:
+            model, tok = vsurge.load_model(args.ckpt, quantization=args.quant)
         OUT["load_s"] = time.perf_counter() - t0
+        OUT["load_phases"] = phases
         OUT["weight_bytes"] = weight_read_bytes(model)
         OUT["kv_bytes_per_token"] = kv_bytes_per_token(model.config)
         save(args.out)
