@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 ENV = "VSURGE_EXECUTABLE_STORE"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _ENV_PREFIXES = ("XLA_", "LIBTPU", "TPU_", "JAX_", "NEURON", "CUDA_VISIBLE")
-_CPU_TURNS = threading.Lock()  # XLA:CPU: one deserialization at a time in the process (cache_reads.py)
 _prefetched: dict[Path, concurrent.futures.Future] = {}  # file -> its executable, being read
 _prefetch_lock = threading.Lock()
 
@@ -158,7 +157,10 @@ def _deserialize(data: bytes) -> Any:
     payload, in_tree, out_tree, device_ids = pickle.loads(data)
     by_id = {d.id: d for d in jax.devices()}
     devices = [by_id[i] for i in device_ids]  # the executable's own, in order (not every device)
-    turns = _CPU_TURNS if jax.default_backend() == "cpu" else contextlib.nullcontext()
+    from .engines.cache_reads import one_read_at_a_time
+
+    # XLA:CPU: one deserialization at a time in the process, JAX's cache reads included (cache_reads.py)
+    turns = one_read_at_a_time() if jax.default_backend() == "cpu" else contextlib.nullcontext()
     with turns:
         return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
 

@@ -135,7 +135,7 @@ START = textwrap.dedent(
     enable_compilation_cache()
     model, tok = vsurge.load_model(sys.argv[1])
     surge = vsurge.vSurge.create(
-        model, tok, vsurge.EngineConfig(max_concurrent_decodes=2, max_length=64, prefill_lengths=[16, 32])
+        model, tok, vsurge.EngineConfig(max_concurrent_decodes=1, max_length=48, prefill_lengths=[32])
     )
     surge.compile()
     engine = surge.driver.engines[0]
