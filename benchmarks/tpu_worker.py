@@ -112,11 +112,11 @@ def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float, raw_w
     return out
 
 
-def missed_programs() -> list[str]:
-    """The programs a call reached with a signature start-up did not compile (engines/aot_program.py)."""
+def missed_programs() -> dict[str, int]:
+    """Per program, the calls with a signature start-up did not compile (engines/aot_program.py)."""
     from vsurge.engines.aot_program import missed
 
-    return sorted(set(missed()))
+    return missed()
 
 
 @contextlib.contextmanager

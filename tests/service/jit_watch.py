@@ -66,9 +66,9 @@ def compiled_while_serving(surge) -> list[str]:
     """Start a compiled vSurge, serve `live_mix()` to the end, stop it; returns what was compiled meanwhile,
     and each program a call reached with a signature start-up did not compile (run by its jit:
     engines/aot_program.py), as ``"run by jit: <name>"``."""
-    from vsurge.engines.aot_program import missed
+    from vsurge.engines.aot_program import missed, missed_since
 
-    seen = len(missed())
+    seen = missed()
     with compilations() as compiled:
         surge.start()
         try:
@@ -77,4 +77,4 @@ def compiled_while_serving(surge) -> list[str]:
                 assert sum(len(x.token_ids) for items in a.channel for x in items) > 0
         finally:
             surge.stop()
-    return compiled + [f"run by jit: {name}" for name in missed()[seen:]]
+    return compiled + [f"run by jit: {name}" for name in missed_since(seen)]

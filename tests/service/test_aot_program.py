@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vsurge.engines.aot_program import AotProgram, missed, shapes_of
+from vsurge.engines.aot_program import AotProgram, missed, missed_since, shapes_of
 
 
 def _scaled():
@@ -34,30 +34,30 @@ def test_a_call_with_a_compiled_signature_runs_that_executable():
 def test_another_signature_runs_through_the_jit_and_is_recorded():
     p = AotProgram(_scaled())
     p.use(p.lower(jnp.ones((4,)), jnp.ones((3,))).compile())
-    seen = len(missed())
+    seen = missed()
     got = p(jnp.ones((5,)), jnp.ones((3,)))  # a shape nothing compiled
     np.testing.assert_allclose(np.asarray(got), np.full(5, 5.0))
     assert p._cache_size() == 1
-    assert [n.rsplit(".", 1)[-1] for n in missed()[seen:]] == ["_scaled"]
+    assert {n.rsplit(".", 1)[-1]: c for n, c in missed_since(seen).items()} == {"_scaled": 1}
 
 
 def test_executables_are_found_by_their_argument_shapes():
     p = AotProgram(_scaled())
     for n in (2, 8):
         p.use(p.lower(jnp.ones((n,)), jnp.ones((3,))).compile())
-    seen = len(missed())
+    seen = missed()
     for n in (2, 8):
         np.testing.assert_allclose(np.asarray(p(jnp.ones((n,)), jnp.ones((3,)))), np.full(n, 5.0))
-    assert p._cache_size() == 0 and missed()[seen:] == []
+    assert p._cache_size() == 0 and missed_since(seen) == {}
 
 
 def test_tracing_through_a_program_uses_the_jit_and_records_nothing():
     p = AotProgram(_scaled())
     p.use(p.lower(jnp.ones((4,)), jnp.ones((3,))).compile())
-    seen = len(missed())
+    seen = missed()
     out = jax.jit(lambda x, y: p(x, y) + 1.0)(jnp.ones((4,)), jnp.ones((3,)))
     np.testing.assert_allclose(np.asarray(out), np.full(4, 6.0))
-    assert missed()[seen:] == []
+    assert missed_since(seen) == {}
 
 
 def test_donation_holds_through_the_executable():

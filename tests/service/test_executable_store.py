@@ -166,7 +166,7 @@ def test_a_second_process_reads_its_programs_and_decodes_the_same(tiny_checkpoin
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     cold, warm = runs
     assert cold["tokens"] == warm["tokens"] and all(len(t) == 6 for t in cold["tokens"])
-    assert cold["missed"] == warm["missed"] == []
+    assert cold["missed"] == warm["missed"] == {}
     kept = cold["executables"]["written"]
     assert kept >= 10 and cold["executables"]["read"] == 0
     # the second start read every kept program, each prefetched while the weights loaded; it compiled

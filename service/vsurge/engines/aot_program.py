@@ -14,21 +14,31 @@ one GIL, for executables JAX's cache already held). An executable read from disk
 from __future__ import annotations
 
 import logging
+import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["AotProgram", "program", "shapes_of", "missed"]
+__all__ = ["AotProgram", "program", "shapes_of", "missed", "missed_since"]
 
 log = logging.getLogger(__name__)
-_missed: list[str] = []  # programs a call reached with a signature no executable takes, in order
+_missed: Counter[str] = Counter()  # program name -> calls that fell through to its jit (bounded by names)
+_missed_lock = threading.Lock()
 
 
-def missed() -> list[str]:
-    """Names of the programs whose calls fell through to the jit so far in this process (a copy)."""
-    return list(_missed)
+def missed() -> dict[str, int]:
+    """Per program name, the calls that fell through to its jit so far in this process (a copy)."""
+    with _missed_lock:
+        return dict(_missed)
+
+
+def missed_since(before: dict[str, int]) -> dict[str, int]:
+    """The calls that fell through since ``before`` (an earlier `missed()`), per program name."""
+    now = missed()
+    return {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
 
 
 def shapes_of(tree: Any) -> tuple[tuple[int, ...], ...]:
@@ -80,7 +90,8 @@ class AotProgram:
 
     def _fallback(self, error: Exception | None, args: tuple) -> Any:
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-            _missed.append(self.name)
+            with _missed_lock:
+                _missed[self.name] += 1
             if not self._missed:  # said once: a signature the start did not compile
                 self._missed = True
                 log.info("%s: a call no compiled executable takes, run by jit (%s)", self.name, error)
