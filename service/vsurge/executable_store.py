@@ -40,7 +40,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["ExecutableStore", "store_for", "describe", "prefetch", "model_key"]
+__all__ = ["ExecutableStore", "store_for", "describe", "prefetch", "model_key", "release_prefetched"]
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,14 @@ def prefetch(config: Any, dtype: Any, quantization: str, top: Path | None = None
             _prefetched[path] = pool.submit(_read, path)
     pool.shutdown(wait=False)
     return len(files)
+
+
+def release_prefetched(keep: Path | None = None) -> None:
+    """Drop what a prefetch read for any directory but ``keep``: an engine other than the one the index
+    named is compiling, and those executables would hold device memory for nothing."""
+    with _prefetch_lock:
+        for path in [p for p in _prefetched if p.parent != keep]:
+            _prefetched.pop(path).cancel()
 
 
 def _take_prefetched(path: Path) -> concurrent.futures.Future | None:

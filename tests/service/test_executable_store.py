@@ -181,3 +181,16 @@ def test_a_second_process_reads_its_programs_and_decodes_the_same(tiny_checkpoin
     assert any(n.startswith("jit__insert_impl-") for n in jax_entries)
     for kept_program in ("_decode_impl", "_prefill_layer_impl", "_prefill_embed_impl", "_chunk_layer_impl"):
         assert not any(n.startswith(f"jit_{kept_program}-") for n in jax_entries), kept_program
+
+
+def test_a_prefetch_for_another_engine_is_dropped_when_an_engine_compiles(tmp_path):
+    cfg, dtype = "another model config", jnp.float32
+    first = es.ExecutableStore(tmp_path, "engine", es.model_key(cfg, dtype, "none"))
+    _compile(first, _program())
+    first.finish()
+    first.wait()
+    assert es.prefetch(cfg, dtype, "none", top=tmp_path) == 1
+    other, program = es.ExecutableStore(tmp_path, "another engine", first.model), _program()
+    assert es._prefetched  # read for "engine"
+    assert _compile(other, program)  # its own key: compiled, and the prefetch let go
+    assert not es._prefetched

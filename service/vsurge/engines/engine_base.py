@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
+from ..executable_store import release_prefetched
 from ..models.lora import attach_bank, detach_bank
 from ..models.sharding import place_params
 from ..models.target import target_backend
@@ -296,6 +297,8 @@ def compile_jobs(
     An `AotProgram` (aot_program.py) is handed its executable, so calls with the example's signature run it;
     with an ``store`` (executable_store.py) a program kept there is read instead of built (its arguments
     never made), and one built is kept."""
+
+    release_prefetched(store.directory if store is not None else None)
 
     def kept(name: str, fn: Any) -> bool:
         return store is not None and isinstance(fn, AotProgram) and store.has(name, fn)
