@@ -44,6 +44,15 @@ def _compile(store, program, say=lambda _: None):
     return compiled
 
 
+def _kept(tmp_path: Path, model: str = "model", scale: float = 2.0) -> es.ExecutableStore:
+    """A store of engine key "engine" that compiled and wrote the affine program (and its index)."""
+    store = es.ExecutableStore(tmp_path, "engine", model)
+    assert _compile(store, _program(scale))  # compiled
+    store.finish()
+    store.wait()
+    return store
+
+
 def test_enabled_follows_the_variable(monkeypatch):
     monkeypatch.delenv(es.ENV, raising=False)
     assert es.enabled("tpu") and not es.enabled("cpu")
@@ -64,10 +73,7 @@ def test_describe_names_functions_and_bound_values_without_addresses():
 
 
 def test_a_kept_program_is_read_back_not_compiled(tmp_path):
-    first = _store(tmp_path)
-    assert _compile(first, _program())  # compiled
-    first.finish()
-    first.wait()
+    first = _kept(tmp_path)
     assert first.report()["written"] == 1
     index = json.loads((tmp_path / "index.json").read_text())
     assert index == {"model": {"key": "engine", "files": first.used}}
@@ -79,10 +85,7 @@ def test_a_kept_program_is_read_back_not_compiled(tmp_path):
 
 
 def test_another_bound_value_or_engine_key_is_another_program(tmp_path):
-    first = _store(tmp_path)
-    _compile(first, _program(2.0))
-    first.finish()
-    first.wait()
+    _kept(tmp_path, scale=2.0)
     other = _store(tmp_path)
     assert _compile(other, _program(3.0))  # scale=3 is not scale=2's executable
     assert other.report()["read"] == 0
@@ -92,10 +95,7 @@ def test_another_bound_value_or_engine_key_is_another_program(tmp_path):
 
 
 def test_an_unreadable_file_is_compiled_over(tmp_path, caplog):
-    first = _store(tmp_path)
-    _compile(first, _program())
-    first.finish()
-    first.wait()
+    _kept(tmp_path)
     (kept,) = (tmp_path / "engine").glob("*.pkl")
     kept.write_bytes(kept.read_bytes()[:100])  # truncated
     again, program = _store(tmp_path), _program()
@@ -107,10 +107,7 @@ def test_an_unreadable_file_is_compiled_over(tmp_path, caplog):
 
 def test_prefetch_reads_what_the_index_names_before_the_engine_asks(tmp_path):
     cfg, dtype = "a model config", jnp.float32
-    first = es.ExecutableStore(tmp_path, "engine", es.model_key(cfg, dtype, "none"))
-    _compile(first, _program())
-    first.finish()
-    first.wait()
+    first = _kept(tmp_path, es.model_key(cfg, dtype, "none"))
     assert es.prefetch(cfg, dtype, "int8", top=tmp_path) == 0  # another model: nothing
     assert es.prefetch(cfg, dtype, "none", top=tmp_path) == 1
     again, program = es.ExecutableStore(tmp_path, "engine", first.model), _program()
@@ -185,10 +182,7 @@ def test_a_second_process_reads_its_programs_and_decodes_the_same(tiny_checkpoin
 
 def test_a_prefetch_for_another_engine_is_dropped_when_an_engine_compiles(tmp_path):
     cfg, dtype = "another model config", jnp.float32
-    first = es.ExecutableStore(tmp_path, "engine", es.model_key(cfg, dtype, "none"))
-    _compile(first, _program())
-    first.finish()
-    first.wait()
+    first = _kept(tmp_path, es.model_key(cfg, dtype, "none"))
     assert es.prefetch(cfg, dtype, "none", top=tmp_path) == 1
     other, program = es.ExecutableStore(tmp_path, "another engine", first.model), _program()
     assert es._prefetched  # read for "engine"
