@@ -154,11 +154,11 @@ def _quantization_of(params: Any) -> str:
 def _deserialize(data: bytes) -> Any:
     from jax.experimental.serialize_executable import deserialize_and_load
 
+    from .engines.cache_reads import one_read_at_a_time
+
     payload, in_tree, out_tree, device_ids = pickle.loads(data)
     by_id = {d.id: d for d in jax.devices()}
     devices = [by_id[i] for i in device_ids]  # the executable's own, in order (not every device)
-    from .engines.cache_reads import one_read_at_a_time
-
     # XLA:CPU: one deserialization at a time in the process, JAX's cache reads included (cache_reads.py)
     turns = one_read_at_a_time() if jax.default_backend() == "cpu" else contextlib.nullcontext()
     with turns:
@@ -247,13 +247,10 @@ class ExecutableStore:
         tic = time.perf_counter()
         path = self._path(name, program)
         early = _take_prefetched(path)
-        compiled = early.result() if early is not None else None
-        if compiled is not None:
-            self.prefetched += 1
-        else:
-            compiled = _read(path)
+        compiled = early.result() if early is not None else _read(path)  # a failed read: said once
         if compiled is None:
             return None
+        self.prefetched += early is not None
         self.used.append(path.name)
         self.read += 1
         self.read_s += time.perf_counter() - tic
