@@ -6,7 +6,8 @@ The layer order, lowest first (``LAYERS``; a module may import its own layer and
 1. contracts  - what every layer speaks: EngineConfig and its env/flag parsing, SamplingParams, the
                 request and its results, the seed's argument helpers, the version. No jax.
 2. structured - grammars and token masks for structured output.
-3. models     - model definitions, loaders, sources, attention kernels (and the compilation cache's place).
+3. models     - model definitions, loaders, sources, attention kernels (and the compilation cache's place:
+                JAX's, its reads, the executable store).
 4. engines    - the jitted programs over a model's state (and resolved_config, which asks them).
 5. drivers    - the threads that feed the engines (pipeline, slots, detokenizer).
 6. surge      - vSurge: the engine a server talks to.
@@ -41,7 +42,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("structured", ("vsurge.structured",)),
-    ("models", ("vsurge.models", "vsurge.compilation_cache")),
+    (
+        "models",
+        ("vsurge.models", "vsurge.compilation_cache", "vsurge.cache_reads", "vsurge.executable_store"),
+    ),
     ("engines", ("vsurge.engines", "vsurge.resolved_config")),
     ("drivers", ("vsurge.drivers",)),
     ("surge", ("vsurge.surge",)),

@@ -16,7 +16,7 @@ for its own key and reads the rest itself. A prefetch for another engine key is 
 
 Where: ``<JAX's compilation cache dir>/vsurge-executables/<engine key>/<program key>.pkl`` (`vsurge serve`
 sets that dir to ``$VSURGE_CACHE_DIR/jax``). On by default where JAX's cache is on and the backend is not
-the CPU (XLA:CPU has crashed reading executables back, engines/cache_reads.py: there, reads take turns);
+the CPU (XLA:CPU has crashed reading executables back, vsurge/cache_reads.py: there, reads take turns);
 ``VSURGE_EXECUTABLE_STORE=1`` turns it on for the CPU too, ``0`` off. Single-process engines only: a
 multi-host group's executable spans processes that must agree on it, which JAX's own cache handles.
 A file that cannot be read (truncated, another JAX) is compiled over, never fatal.
@@ -154,7 +154,7 @@ def _quantization_of(params: Any) -> str:
 def _deserialize(data: bytes) -> Any:
     from jax.experimental.serialize_executable import deserialize_and_load
 
-    from .engines.cache_reads import one_read_at_a_time
+    from .cache_reads import one_read_at_a_time
 
     payload, in_tree, out_tree, device_ids = pickle.loads(data)
     by_id = {d.id: d for d in jax.devices()}

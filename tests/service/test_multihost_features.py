@@ -16,6 +16,7 @@ same configuration over 8 devices. Slow: each group compiles a sharded engine in
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -113,7 +114,12 @@ def test_two_processes_tp8_vdriver_features_forged_peers_then_a_worker_dies(
 
         times = inject_fault(group, "kill -9 worker", 1, lambda p: p.kill())
         _check_bound(times, group)
-        assert "worker 1" in group.log(0) and "closed the step lane" in group.log(0)
+        # the leader hears the death on whichever side of the lane meets it first: its reader (the
+        # worker closed the lane) or its next send to the worker (a broken pipe / reset)
+        said = [line for line in group.log(0).splitlines() if "worker 1" in line]
+        assert any(
+            "closed the step lane" in line or re.search(r"sending to \S+ failed", line) for line in said
+        ), group.log(0)
         assert "worker 1" in group.termination[0].read_text()  # what the operator reports
     finally:
         group.close()

@@ -17,13 +17,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..cache_reads import serialize_cache_reads
 from ..engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
 from ..executable_store import release_prefetched
 from ..models.lora import attach_bank, detach_bank
 from ..models.sharding import place_params
 from ..models.target import target_backend
 from .aot_program import AotProgram, program
-from .cache_reads import serialize_cache_reads
 from .cache_writes import skipping_jax_cache_writes
 from .chunked_prefill import ChunkedPrefill
 from .lora_bank import LoraBank

@@ -1,6 +1,6 @@
 """One read of JAX's persistent compilation cache at a time, in the whole process.
 
-Start-up compiles its programs on parallel threads (`engine_base.compile_jobs`), and with a warm cache
+Start-up compiles its programs on parallel threads (`engines/engine_base.compile_jobs`), and with a warm cache
 most of them are reads: each deserializes a cached executable. XLA:CPU crashed the process (SIGSEGV) with
 two threads inside ``backend.deserialize_executable`` at once (a clean-clone `make test`, 2026-12-06:
 both threads of one engine's compile pool in ``compilation_cache.get_executable_and_time``). A read takes
