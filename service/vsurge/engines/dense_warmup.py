@@ -159,8 +159,8 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
     jobs = program_jobs(engine, state)
     prefill = {name: (fn, args) for name, fn, args in jobs if fn is engine._prefill}
     prefill["a chunked prefill"] = (engine._long_prefix, lambda: long_prefix_args(engine))
-    # the chain's arguments made in the pool, and only for programs the store does not hold: each traces
-    # the programs before it
+    # the chain's arguments are made by compile_jobs, and only for programs the store does not hold (each
+    # traces the programs before it)
     jobs = chained(engine, jobs, made=False)
     jobs.append(("chunked prefill's prefix", *prefill["a chunked prefill"]))
     if jax.default_backend() != "cpu":

@@ -295,7 +295,7 @@ def compile_jobs(
     threads (XLA compiles without the GIL), saying each one's time; returns (name, seconds) per job.
 
     An `AotProgram` (aot_program.py) is handed its executable, so calls with the example's signature run it;
-    with an ``store`` (executable_store.py) a program kept there is read instead of built (its arguments
+    with a ``store`` (vsurge/executable_store.py) a program kept there is read instead of built (its arguments
     never made), and one built is kept."""
 
     release_prefetched(store.directory if store is not None else None)
