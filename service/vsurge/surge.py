@@ -57,6 +57,7 @@ class vSurge:  # noqa: N801 - the seed's name
         self._driver = driver
         self._name = vsurge_name or driver.driver_name
         self.compile_seconds: float | None = None
+        self._switching = False  # holds a count in drivers/switch_interval.py while started
         self._decode_fn: Callable[[list[int]], str] | None = None  # should_buffer_response's, made once
 
     # ------------------------------------------------------------------ construction
@@ -232,7 +233,7 @@ class vSurge:  # noqa: N801 - the seed's name
         return self.compile_seconds
 
     def start(self) -> None:
-        if not getattr(self, "_switching", False):
+        if not self._switching:
             switch_interval.serving()  # drivers/switch_interval.py
             self._switching = True
         self._driver.start()
@@ -241,7 +242,7 @@ class vSurge:  # noqa: N801 - the seed's name
         try:
             self._driver.stop()
         finally:
-            if getattr(self, "_switching", False):
+            if self._switching:
                 self._switching = False
                 switch_interval.stopped()
 

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from ..structured.bitmask import bitmask_words
 from .sampling import make_slot_sampling
 
 __all__ = ["sds", "abstract", "Prefixes", "run_once_jobs"]
@@ -69,7 +70,7 @@ def long_prefix_args(engine: Any) -> tuple:
     sampling = make_slot_sampling([GREEDY] + [None] * (m - 1), stop_ids=[[]] * m)
     row = abstract(jax.eval_shape(c._zeros), rep)
     last = sds((engine.config.hidden_size,), engine.model.dtype, rep)
-    words = np.zeros((m, -(-engine.config.vocab_size // 32)), np.int32)
+    words = np.zeros((m, bitmask_words(engine.config.vocab_size)), np.int32)
     return (row, last, words, np.int32(1), sampling)
 
 

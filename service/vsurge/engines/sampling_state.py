@@ -13,6 +13,8 @@ import numpy as np
 
 from vsurge.sampling_params import MAX_ALLOWED_TOKEN_IDS, SamplingParams
 
+from ..structured.bitmask import bitmask_words
+
 # Temperatures below this are greedy (vLLM's convention); dividing by them would only amplify noise.
 GREEDY_EPS = 1e-5
 DEFAULT_CANDIDATE_CAP = 64
@@ -207,7 +209,7 @@ def prompt_mask_words(prompts: Sequence[Sequence[int]], rows: int, vocab_size: i
     prefill hands the device, which unpacks it (`sampling_penalties.unpack_token_mask`). Built on the
     device from the tokens it was a scatter into [rows, V], the slowest part of a prefill's programs
     to compile on a TPU (~5 s of a v5e's XLA time per prefill shape, next to a decoder layer's 2-5 s)."""
-    words = np.zeros((rows, -(-vocab_size // 32)), np.uint32)
+    words = np.zeros((rows, bitmask_words(vocab_size)), np.uint32)
     for j, prompt in enumerate(prompts):
         ids = np.asarray(prompt, np.int64)
         ids = ids[(ids >= 0) & (ids < vocab_size)]

@@ -184,6 +184,7 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
             else DenseMixedStep(self, resolve_token_budget(budget, self.max_concurrent_decodes))
         )
         self.compiled = False
+        self.executable_store = None  # compile()'s, where one is on (vsurge/executable_store.py)
 
     # ------------------------------------------------------------------ state
     def _wants_bf16(self, knob: str) -> bool:
