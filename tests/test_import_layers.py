@@ -44,7 +44,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("structured", ("vsurge.structured",)),
     (
         "models",
-        ("vsurge.models", "vsurge.compilation_cache", "vsurge.cache_reads", "vsurge.executable_store"),
+        (
+            "vsurge.models",
+            "vsurge.compilation_cache",
+            "vsurge.cache_reads",
+            "vsurge.executable_store",
+            "vsurge.cache_signing",
+        ),
     ),
     ("engines", ("vsurge.engines", "vsurge.resolved_config")),
     ("drivers", ("vsurge.drivers",)),

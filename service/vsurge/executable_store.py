@@ -20,6 +20,11 @@ the CPU (XLA:CPU has crashed reading executables back, vsurge/cache_reads.py: th
 ``VSURGE_EXECUTABLE_STORE=1`` turns it on for the CPU too, ``0`` off. Single-process engines only: a
 multi-host group's executable spans processes that must agree on it, which JAX's own cache handles.
 A file that cannot be read (truncated, another JAX) is compiled over, never fatal.
+
+Every file is signed (vsurge/cache_signing.py: an HMAC-SHA256 with ``VSURGE_CACHE_HMAC_KEY`` or a per-host
+key kept outside the cache dir) and its tag is checked on the raw bytes before anything is unpickled: the
+directory may be a volume other pods write to, and a pickle runs code when it loads. A tampered, foreign
+(another key) or unsigned file is refused with a warning, compiled over and rewritten.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+
+from . import cache_signing
 
 __all__ = ["ExecutableStore", "store_for", "describe", "prefetch", "model_key", "release_prefetched"]
 
@@ -165,14 +172,36 @@ def _deserialize(data: bytes) -> Any:
         return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
 
 
+def _signed_name(path: Path) -> str:
+    """What a file's tag covers besides its bytes: ``<engine key>/<program key>.pkl``, so that a signed
+    file copied over another program's (or engine's) file is refused."""
+    return f"{path.parent.name}/{path.name}"
+
+
+def _key(path: Path) -> bytes:
+    # the store is <JAX's cache dir>/vsurge-executables/<engine key>/: the key must live outside the
+    # JAX cache dir, which is what a shared claim is mounted on
+    return cache_signing.cache_key(shared_dir=path.parent.parent.parent)
+
+
 def _read(path: Path) -> Any:
-    """The executable in ``path`` loaded on the devices, None if it cannot be (said, never raised)."""
+    """The executable in ``path`` loaded on the devices, None if it cannot be (said, never raised).
+    Its signature is checked first: an unverified file is never unpickled."""
     try:
         data = path.read_bytes()
     except OSError:
         return None
+    payload = cache_signing.verified(_key(path), _signed_name(path), data)
+    if payload is None:
+        log.warning(
+            "%s: kept executable refused: its signature does not match this store's key (tampered, "
+            "truncated, written with another %s or unsigned); not loaded, compiling it",
+            path,
+            cache_signing.ENV,
+        )
+        return None
     try:
-        return _deserialize(data)
+        return _deserialize(payload)
     except Exception as e:  # noqa: BLE001 - an unreadable file is compiled over
         log.warning("%s: kept executable unreadable (%s: %s); compiling it", path.name, type(e).__name__, e)
         return None
@@ -271,6 +300,7 @@ class ExecutableStore:
         try:
             devices = compiled._executable._unloaded_executable.device_list  # what it runs on
             data = pickle.dumps((*serialize(compiled), [d.id for d in devices]))
+            data = cache_signing.sign(_key(path), _signed_name(path), data)
         except Exception as e:  # noqa: BLE001 - a program that cannot be kept is compiled each start
             log.info("%s: executable not kept (%s: %s)", name, type(e).__name__, e)
             return

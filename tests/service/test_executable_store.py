@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from vsurge import cache_signing
 from vsurge import executable_store as es
 from vsurge.engines.aot_program import AotProgram
 from vsurge.engines.compile_watch import compiled_during
@@ -32,6 +34,23 @@ def _program(scale: float = 2.0) -> AotProgram:
 
 
 ARGS = (np.ones((4, 8), np.float32), np.ones((8, 3), np.float32))
+KEY = "the test store's key, 48 bytes of it, not random"
+
+
+@pytest.fixture(autouse=True)
+def _signing_key(monkeypatch):
+    """Every test signs with one known key (the operator's Secret in a pod); the key-file tests unset it."""
+    monkeypatch.setenv(cache_signing.ENV, KEY)
+
+
+class _Planted:
+    """What an attacker with write access to the cache volume would leave: unpickling it writes a file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "code ran while unpickling"))
 
 
 def _store(tmp_path: Path, key: str = "engine") -> es.ExecutableStore:
@@ -97,12 +116,94 @@ def test_another_bound_value_or_engine_key_is_another_program(tmp_path):
 def test_an_unreadable_file_is_compiled_over(tmp_path, caplog):
     _kept(tmp_path)
     (kept,) = (tmp_path / "engine").glob("*.pkl")
-    kept.write_bytes(kept.read_bytes()[:100])  # truncated
+    good = kept.read_bytes()
+    kept.write_bytes(good[:100])  # truncated: its signature no longer matches
     again, program = _store(tmp_path), _program()
     with caplog.at_level(logging.WARNING, logger="vsurge.executable_store"):
         assert _compile(again, program)
-    assert "unreadable" in caplog.text
+    assert "refused" in caplog.text
     np.testing.assert_allclose(np.asarray(program(*ARGS)), np.full((4, 3), 16.0))
+    # signed with the right key but not an executable (another JAX's layout, say): unreadable, compiled
+    name = f"engine/{kept.name}"
+    kept.write_bytes(cache_signing.sign(KEY.encode(), name, pickle.dumps(("not", "an", "executable"))))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vsurge.executable_store"):
+        assert _compile(_store(tmp_path), _program())
+    assert "unreadable" in caplog.text
+
+
+def _refused_and_compiled(tmp_path, caplog) -> es.ExecutableStore:
+    store, program = _store(tmp_path), _program()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vsurge.executable_store"):
+        assert _compile(store, program)  # compiled: the file was not used
+    assert "refused" in caplog.text and "signature does not match" in caplog.text, caplog.text
+    assert store.report()["read"] == 0
+    np.testing.assert_allclose(np.asarray(program(*ARGS)), np.full((4, 3), 16.0))
+    return store
+
+
+def test_a_planted_pickle_is_refused_and_never_unpickled(tmp_path, caplog):
+    """A file that would write a marker when unpickled, put in the store unsigned, signed with another key,
+    or signed with the right key for another program's file: refused, compiled over, the marker never
+    written; the rewritten file is read back."""
+    store_dir, marker = tmp_path / "store", tmp_path / "marker"
+    _kept(store_dir)
+    (kept,) = (store_dir / "engine").glob("*.pkl")
+    planted = pickle.dumps(_Planted(marker))
+    name = f"engine/{kept.name}"
+    for data in (
+        planted,  # unsigned (the store's own format before signing, too)
+        cache_signing.sign(b"another model's key, also 48 bytes long, random", name, planted),
+        cache_signing.sign(KEY.encode(), "engine/another-program.pkl", planted),  # copied from elsewhere
+    ):
+        kept.write_bytes(data)
+        store = _refused_and_compiled(store_dir, caplog)
+        assert not marker.exists(), "the planted pickle ran"
+        store.finish()
+        store.wait()
+        assert kept.read_bytes() != data  # compiled over and rewritten, signed
+        again = _store(store_dir)
+        assert _compile(again, _program()) == [] and again.report()["read"] == 1
+    # the control: the planted bytes do run code when unpickled, so the refusals above are what kept it out
+    pickle.loads(planted)
+    assert marker.read_text() == "code ran while unpickling"
+
+
+def test_a_file_signed_with_another_key_is_refused(tmp_path, caplog, monkeypatch):
+    _kept(tmp_path)  # signed with KEY
+    monkeypatch.setenv(cache_signing.ENV, "a foreign key: another model's Secret, 48 bytes")
+    _refused_and_compiled(tmp_path, caplog)
+    monkeypatch.setenv(cache_signing.ENV, KEY)
+    again = _store(tmp_path)
+    assert _compile(again, _program()) == [] and again.report()["read"] == 1
+
+
+def test_without_the_variable_a_private_key_file_outside_the_cache_dir(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(cache_signing.ENV)
+    monkeypatch.setenv("VSURGE_CACHE_DIR", str(tmp_path / "pod-cache"))
+    cache_signing._file_key.cache_clear()
+    shared = tmp_path / "pod-cache" / "jax"  # where a shared claim is mounted
+    key = cache_signing.cache_key(shared_dir=shared)
+    path = cache_signing.key_file()
+    assert path == tmp_path / "pod-cache" / "keys" / "cache-hmac.key"
+    assert path.read_bytes() == key and len(key) == 32
+    assert path.stat().st_mode & 0o777 == 0o600
+    cache_signing._file_key.cache_clear()
+    assert cache_signing.cache_key(shared_dir=shared) == key  # the next start reads it back
+    # a key file others can read is not used; nor one inside the shared dir
+    path.chmod(0o644)
+    cache_signing._file_key.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="vsurge.cache_signing"):
+        assert cache_signing.cache_key(shared_dir=shared) != key
+    assert "open to other users" in caplog.text
+    cache_signing._file_key.cache_clear()
+    monkeypatch.setenv("VSURGE_CACHE_DIR", str(shared))
+    with caplog.at_level(logging.WARNING, logger="vsurge.cache_signing"):
+        first = cache_signing.cache_key(shared_dir=shared)
+    assert "inside the compilation cache dir" in caplog.text
+    assert not (shared / "keys").exists() and len(first) == 32
+    cache_signing._file_key.cache_clear()
 
 
 def test_prefetch_reads_what_the_index_names_before_the_engine_asks(tmp_path):
