@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive
 
-from . import errors
+from . import errors, uds
 from .admission import Gate
 from .config import RouterConfig
 from .metrics import RouterMetrics
@@ -44,6 +44,7 @@ from .ratelimit import RateLimiter
 from .table import EndpointTable, ModelView
 from .tenants import Tenant
 from .tracing import RouterTracing
+from .upstream_keys import UpstreamKeys
 from .usage import UsageScanner
 from .wake import UnknownModel, WakeError, Waker
 
@@ -145,6 +146,7 @@ class Router:
         tracing: RouterTracing | None = None,
         prefix_block_bytes: int = 256,
         prefix_max_blocks: int = 512,
+        upstream_keys: UpstreamKeys | None = None,
     ) -> None:
         self.table = table
         self.waker = waker
@@ -156,6 +158,7 @@ class Router:
         self.tracing = tracing if tracing is not None else RouterTracing()
         self.prefix_block_bytes = prefix_block_bytes
         self.prefix_max_blocks = prefix_max_blocks
+        self.upstream_keys = upstream_keys
 
     # -- probes and metrics
 
@@ -249,8 +252,11 @@ class Router:
                 [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
                 request.client.host if request.client else None,
             )
-            if self.gate.enabled:  # the tenant's key is the router's business, not the pod's
+            own_key = self.upstream_keys.authorization(view) if self.upstream_keys is not None else None
+            if self.gate.enabled or own_key:  # the tenant's key is the router's business, not the pod's
                 headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
+            if own_key:  # the model's pods take only their own key (spec.apiKeySecret)
+                headers.append(("authorization", own_key))
             headers = self.tracing.outgoing_headers(span, headers)
             hashes = self._hashes(request.url.path, payload, model, upstreams, base)
             response = await until_disconnect(
@@ -380,7 +386,7 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
     from .kube import KubeDiscovery, KubeScaler, load_api_client
     from .loadpoll import LoadBook, LoadPoller
     from .lora import AdapterBook, AdapterPoller
-    from .picker import Picker
+    from .picker import ForgetGonePods, Picker
     from .picking import LoadTracker
     from .slices import EndpointSliceDiscovery
     from .static import StaticDiscovery
@@ -412,11 +418,13 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
     # No read timeout: a non-streamed generation may take minutes; the client's own timeout applies, and
     # its disconnect cancels the upstream request. trust_env=False: proxy variables must not reroute
     # in-cluster traffic.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30)
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=cfg.connect_timeout_seconds),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30),
+        limits=limits,
         trust_env=False,
         follow_redirects=False,
+        mounts=uds.mounts(limits=limits),  # upstreams on a Unix socket (unix:///path)
     )
     clients: list[httpx.AsyncClient] = []
     tracker = LoadTracker(cfg.eject_seconds)
@@ -426,8 +434,9 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
         # the pods' own reports (/load, /v1/models, the LoRA gauge): short timeouts, one pool for both
         poll_client = httpx.AsyncClient(
             timeout=httpx.Timeout(1.0, connect=min(1.0, cfg.connect_timeout_seconds)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30),
+            limits=limits,
             trust_env=False,
+            mounts=uds.mounts(limits=limits),
         )
         clients.append(poll_client)
         if cfg.load_poll_seconds > 0:
@@ -443,6 +452,10 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
         index_capacity=cfg.prefix_index_size,
         adapters=adapter_book,
     )
+    sources.append(ForgetGonePods(picker))
+    keys_of_models = UpstreamKeys(api_client) if cfg.use_kubernetes else None
+    if keys_of_models is not None:
+        sources.append(keys_of_models)
     forwarder = Forwarder(client, picker, metrics, cfg.max_attempts)
     waker = Waker(table, scaler, cfg.wake_timeout_seconds, metrics)
     tracing = RouterTracing(tracer_provider) if tracer_provider is not None else RouterTracing.from_env()
@@ -456,5 +469,21 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
         gate=Gate(keys, RateLimiter(), metrics),
         tracing=tracing,
         prefix_block_bytes=cfg.prefix_block_bytes,
+        upstream_keys=keys_of_models,
     )
+    if cfg.ext_proc_port:  # the Gateway API Inference Extension's endpoint picker (extproc.py)
+        from .extproc import EndpointPicker, ExtProcServer
+
+        epp = EndpointPicker(
+            table,
+            picker,
+            router.gate,
+            metrics,
+            keys_of_models,
+            fallbacks=cfg.ext_proc_fallbacks,
+            max_body_bytes=cfg.max_body_bytes,
+            prefix_block_bytes=cfg.prefix_block_bytes,
+            retry_after_seconds=cfg.retry_after_seconds,
+        )
+        sources.append(ExtProcServer(epp, cfg.host, cfg.ext_proc_port))
     return create_app(router, sources, client, clients=clients)

@@ -45,6 +45,8 @@ class RouterConfig:
     endpoint_slices: bool = True
     api_keys_file: str | None = None
     api_keys_reload_seconds: float = 5.0
+    ext_proc_port: int = 0  # 0: no endpoint picker (extproc.py)
+    ext_proc_fallbacks: int = 2
 
     @property
     def use_kubernetes(self) -> bool:
@@ -207,6 +209,19 @@ OPTIONS: tuple[Option, ...] = (
         "FILE",
     ),
     Option("--api-keys-reload-seconds", _float(0), "how often the API keys file is re-read (0: never)", "S"),
+    Option(
+        "--ext-proc-port",
+        _int(0, 65535),
+        "serve the Gateway API Inference Extension's endpoint-picker protocol (Envoy ext_proc gRPC) on this "
+        "port, for InferencePools that name the router as their endpoint picker (0: off)",
+        "PORT",
+    ),
+    Option(
+        "--ext-proc-fallbacks",
+        _int(0, 8),
+        "endpoint picker: fallback pods named after the primary one (the proxy tries them in order)",
+        "N",
+    ),
 )
 
 

@@ -17,7 +17,15 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .table import Backend, EndpointTable, ServiceRef, UpstreamURLError, WakeTarget, normalize_upstream
+from .table import (
+    Backend,
+    EndpointTable,
+    SecretRef,
+    ServiceRef,
+    UpstreamURLError,
+    WakeTarget,
+    normalize_upstream,
+)
 from .watching import ListWatcher, Post
 
 log = logging.getLogger(__name__)
@@ -90,7 +98,16 @@ def backend_from_object(obj: Mapping[str, Any], group: str) -> Backend | None:
         created=_epoch(meta.get("creationTimestamp")),
         # The operator names the model's Service after the InferenceModel (operator manifests.service).
         service=ServiceRef(namespace, name),
+        api_key=_api_key(namespace, spec.get("apiKeySecret")),
     )
+
+
+def _api_key(namespace: str, ref: Any) -> SecretRef | None:
+    """spec.apiKeySecret ({name, key}): the Secret whose key the pods require (VSURGE_API_KEY)."""
+    if not isinstance(ref, Mapping) or not isinstance(ref.get("name"), str) or not ref["name"]:
+        return None
+    key = ref.get("key")
+    return SecretRef(namespace, ref["name"], key if isinstance(key, str) and key else "api-key")
 
 
 def aliases_from_object(obj: Mapping[str, Any]) -> dict[str, str]:

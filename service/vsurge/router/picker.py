@@ -20,9 +20,12 @@ reports.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .hashring import DEFAULT_VNODES, HashRing, bounded_pick, load_bound
 from .loadpoll import LoadBook
@@ -221,3 +224,32 @@ class Picker:
         """Pods that left: their cached prefixes are gone with them."""
         for idx in self._indexes.values():
             idx.forget(gone)
+
+
+class ForgetGonePods:
+    """Follows the endpoint table like a discovery source: a pod that leaves every model's endpoints (its
+    EndpointSlice entry went: deleted, or unready) leaves the prefix indexes too, instead of aging out."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, table: Any) -> None:
+        self._task = asyncio.create_task(self._follow(table), name="vsurge-router-forget-gone")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _follow(self, table: Any) -> None:
+        known: set[str] = set()
+        while True:
+            changed = table.changed_event()
+            now = {u for view in table.models() for u in view.upstreams}
+            gone = known - now
+            if gone:
+                self.picker.forget(gone)
+            known = now
+            await changed.wait()

@@ -27,19 +27,28 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from .uds import SCHEME, socket_path, socket_upstream
+
 
 class UpstreamURLError(ValueError):
     """An upstream URL that the router cannot use; the message says why."""
 
 
 def normalize_upstream(url: str) -> str:
-    """`http(s)://host[:port][/prefix]` without a trailing slash or `/v1`: the router appends the route.
+    """`http(s)://host[:port][/prefix]` without a trailing slash or `/v1`: the router appends the route;
+    `unix:///path/to.sock` (a server on a Unix socket) as `http+unix://` + the encoded path (router/uds.py).
 
     A trailing `/v1` is dropped because both forms are common (`--base-url .../v1` for the openai client,
     `http://name.ns.svc:11556` in an InferenceModel's status); the routes include `/v1` themselves.
     """
     text = str(url).strip()
     parts = urlsplit(text)
+    if parts.scheme == "unix":  # unix:///run/vsurge.sock: a server on a Unix socket (router/uds.py)
+        if not parts.path.startswith("/") or parts.netloc or parts.query or parts.fragment:
+            raise UpstreamURLError(f"{url!r}: a socket upstream is unix:///absolute/path/to.sock")
+        return socket_upstream(parts.path)
+    if parts.scheme == SCHEME and parts.netloc:  # the netloc, not the hostname: that is lowercased
+        return socket_upstream(socket_path(parts.netloc))
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UpstreamURLError(f"{url!r} is not an http(s) URL with a host (e.g. http://10.0.0.7:11556)")
     if parts.query or parts.fragment:
@@ -70,6 +79,15 @@ class ServiceRef:
 
 
 @dataclass(frozen=True)
+class SecretRef:
+    """A key of a Secret: the model's own API key, which the router sends its pods (upstream_keys.py)."""
+
+    namespace: str
+    name: str
+    key: str = "api-key"
+
+
+@dataclass(frozen=True)
 class Backend:
     """One source's view of one served model.
 
@@ -85,6 +103,7 @@ class Backend:
     desired_replicas: int | None = None
     created: int = 0
     service: ServiceRef | None = None
+    api_key: SecretRef | None = None
 
 
 @dataclass(frozen=True)
