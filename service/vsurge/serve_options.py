@@ -142,8 +142,17 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "VSURGE_METRICS_PORT",
         _metrics_port,
         None,
-        "Prometheus port (default port+1; -1: /metrics on the main port)",
+        "Prometheus port (default port+1; -1: /metrics on the main port; with --uds, on the socket)",
         "PORT",
+    ),
+    Option(
+        "--uds",
+        "VSURGE_UDS",
+        str,
+        None,
+        "listen on this Unix-domain socket instead of --host/--port (a sidecar in the pod, a machine "
+        "without TCP); the file is removed at shutdown",
+        "PATH",
     ),
     Option(
         "--api-key",
@@ -240,6 +249,7 @@ class ServeConfig:
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     metrics_port: int | None = None
+    uds: str | None = None
     api_key: str | None = None
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
@@ -277,7 +287,10 @@ class ServeConfig:
 
     @property
     def resolved_metrics_port(self) -> int:
-        return self.port + 1 if self.metrics_port is None else self.metrics_port
+        """-1: /metrics on the main listener (the default on a Unix socket, where no port is opened)."""
+        if self.metrics_port is None:
+            return -1 if self.uds else self.port + 1
+        return self.metrics_port
 
 
 class ConfigError(ValueError):

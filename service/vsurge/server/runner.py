@@ -13,6 +13,7 @@ stop. A second signal shuts down without waiting (a second SIGINT kills connecti
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -72,9 +73,13 @@ class RunningServer:
     metrics_url: str
     metrics_httpd: Any = None
     startup_thread: threading.Thread | None = None
+    uds: str | None = None  # the Unix socket it listens on instead of host:port
 
     @property
     def url(self) -> str:
+        """The base URL; on a Unix socket, the one its clients send over the socket (any host will do)."""
+        if self.uds is not None:
+            return f"{self.scheme}://localhost"
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         host = f"[{host}]" if ":" in host else host
         return f"{self.scheme}://{host}:{self.port}"
@@ -90,14 +95,26 @@ class RunningServer:
                 raise TimeoutError("server did not become ready")
             time.sleep(0.05)
 
+    @property
+    def where(self) -> str:
+        """Where clients reach it, as the readiness line says: the base URL, or the socket and its URL."""
+        return f"{self.url}/v1" if self.uds is None else f"unix:{self.uds} ({self.url}/v1 over the socket)"
+
     def stop(self, timeout: float = 60.0) -> None:
         """Close at once (no drain); for tests and embedding."""
         self.server.should_exit = True
         if self.thread is not None:
             self.thread.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        """Release what the server holds outside uvicorn: the metrics server, the socket file."""
         if self.metrics_httpd is not None:
             self.metrics_httpd.shutdown()
             self.metrics_httpd.server_close()
+            self.metrics_httpd = None
+        if self.uds is not None:
+            _remove_socket(self.uds, getattr(self, "_uds_inode", None))
 
 
 def _announce(msg: str) -> None:
@@ -114,6 +131,7 @@ def start(
     ssl_keyfile: str | None = None,
     ssl_certfile: str | None = None,
     startup: Startup | None = None,
+    uds: str | None = None,
     warm_up: bool = True,
     progress: Callable[[str], None] | None = _announce,
     in_thread: bool = True,
@@ -125,12 +143,15 @@ def start(
     port 0 picks a free port (tests). metrics_port None means port + 1; -1 serves /metrics on the main
     port; serve_metrics=False serves it nowhere (`fire(metrics_port=-1)`, the seed's). warm_up=False
     leaves the server in 'starting' until the caller runs `api.warm_up()` or `api.mark_ready()`.
+    ``uds``: listen on this Unix-domain socket instead of host:port (host and port are then unused, and
+    /metrics is on the socket unless metrics_port names a TCP port); the file is removed at the end.
     """
     say = progress or (lambda msg: None)
     config = uvicorn.Config(
         api.app,
         host=host,
         port=port,
+        uds=uds,
         log_level=log_level,
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,
@@ -139,12 +160,14 @@ def start(
         log_config=uvicorn.config.LOGGING_CONFIG if configure_logging else None,
         timeout_graceful_shutdown=30,
     )
+    if uds is not None:
+        _clear_stale_socket(uds)
     sock = config.bind_socket()
-    bound_port = sock.getsockname()[1]
+    bound_port = 0 if uds is not None else sock.getsockname()[1]
     scheme = "https" if ssl_certfile else "http"
     metrics_httpd = None
     if metrics_port is None:
-        metrics_port = bound_port + 1 if port else 0
+        metrics_port = -1 if uds is not None else bound_port + 1 if port else 0
     api.metrics_on_main_port = serve_metrics and metrics_port == -1
     api.metrics_enabled = serve_metrics
     if not serve_metrics:
@@ -155,7 +178,11 @@ def start(
         metrics_httpd, _ = start_metrics_server(api.metrics.registry, host, metrics_port)
         metrics_url = f"http://{_shown(host)}:{metrics_httpd.server_port}/metrics"
     server = DrainingServer(config, api)
-    running = RunningServer(api, server, None, host, bound_port, scheme, metrics_url, metrics_httpd)
+    running = RunningServer(api, server, None, host, bound_port, scheme, metrics_url, metrics_httpd, uds=uds)
+    if uds is not None:
+        running._uds_inode = os.stat(uds).st_ino  # type: ignore[attr-defined]  # ours to remove, not a successor's
+        if metrics_port == -1:
+            running.metrics_url = metrics_url = f"unix:{uds} /metrics"
 
     def background() -> None:
         try:
@@ -165,7 +192,7 @@ def start(
                 api.warm_up(say)
             names = ", ".join(repr(n) for n in api.models) or "no models"
             if warm_up or startup is not None:
-                say(f"ready: serving {names} at {running.url}/v1 (metrics {metrics_url})")
+                say(f"ready: serving {names} at {running.where} (metrics {metrics_url})")
         except BaseException as e:  # noqa: BLE001 - reported, then the server exits (on_tick sees fatal)
             api.fatal = e
             say(f"startup failed: {type(e).__name__}: {e}")
@@ -197,12 +224,40 @@ def serve(api: vSurgeApiServer, **kw: Any) -> None:
     try:
         running.server.run(sockets=[sock])
     finally:
-        if running.metrics_httpd is not None:
-            running.metrics_httpd.shutdown()
-            running.metrics_httpd.server_close()
+        running.close()
     if api.fatal is not None:
         raise api.fatal
 
 
 def _shown(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _clear_stale_socket(path: str) -> None:
+    """A socket file left by a server that died is removed (nothing answers on it); one in use, or a path
+    that is not a socket, is an error that says so, not uvicorn's bare exit."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"--uds {path}: the path exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # stale: its server is gone
+        return
+    finally:
+        probe.close()
+    raise OSError(f"--uds {path}: another server is listening on it")
+
+
+def _remove_socket(path: str, inode: int | None) -> None:
+    try:
+        if inode is None or os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
