@@ -162,6 +162,15 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "require `Authorization: Bearer KEY` (probes and metrics exempt); prefer the env var",
         "KEY",
     ),
+    Option(
+        "--admin-key",
+        "VSURGE_ADMIN_KEY",
+        str,
+        None,
+        "the admin routes' own key (POST /v1/load_lora_adapter, /v1/unload_lora_adapter): they need "
+        "`Authorization: Bearer KEY`, the API key does not open them; prefer the env var",
+        "KEY",
+    ),
     Option("--ssl-keyfile", "VSURGE_SSL_KEYFILE", str, None, "TLS private key (PEM)", "FILE"),
     Option("--ssl-certfile", "VSURGE_SSL_CERTFILE", str, None, "TLS certificate chain (PEM)", "FILE"),
     Option(
@@ -251,6 +260,7 @@ class ServeConfig:
     metrics_port: int | None = None
     uds: str | None = None
     api_key: str | None = None
+    admin_key: str | None = None
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     log_level: str = "info"
@@ -329,8 +339,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-lora-runtime-updates",
         action="store_true",
-        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with an API key, only to "
-        f"requests that carry it) [env {LORA_RUNTIME_ENV}=1]",
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --admin-key, only to "
+        f"requests that carry it; else, with an API key, to those that carry that) [env {LORA_RUNTIME_ENV}=1]",
     )
     parser.add_argument(
         "--print-config",
@@ -360,6 +370,8 @@ def config_from_namespace(ns: argparse.Namespace, env: Mapping[str, str]) -> Ser
     cfg = ServeConfig(**values, loras=loras, enable_lora_runtime_updates=runtime, engine=engine)
     if cfg.model_name in names:
         raise ConfigError(f"--lora {cfg.model_name}: an adapter cannot take the served model's name")
+    if cfg.admin_key and cfg.admin_key == cfg.api_key:
+        raise ConfigError("--admin-key (VSURGE_ADMIN_KEY) must differ from --api-key (VSURGE_API_KEY)")
     if bool(cfg.ssl_keyfile) != bool(cfg.ssl_certfile):
         raise ConfigError(
             "TLS needs both --ssl-keyfile and --ssl-certfile (VSURGE_SSL_KEYFILE / VSURGE_SSL_CERTFILE)"

@@ -115,3 +115,85 @@ def test_serve_takes_the_operators_lora_args():
         parse_serve_config(["--lora", "sql"], {})
     with pytest.raises(ConfigError, match="unique"):
         parse_serve_config(["--lora", "a=/x", "--lora", "a=/y"], {})
+
+
+ADMIN = "the-admin-key"
+
+
+def test_admin_key_alone_opens_the_admin_routes(lora_server, caplog):
+    """A second real server on the same engine with --admin-key: load/unload need that key (401 with the
+    API key, another key or none; the API key still opens generation), and it does what it did before."""
+    from vsurge.server import start, vSurgeApiServer
+
+    _, root, api = lora_server
+    admin = vSurgeApiServer(
+        {MODEL: api.models[MODEL].surge},
+        api_key=KEY,
+        admin_key=ADMIN,
+        lora_runtime_updates=True,
+        owns_engines=False,
+    )
+    running = start(admin, host="127.0.0.1", port=0, metrics_port=-1, warm_up=False, progress=None)
+    admin.warm_up()  # the engine is warm already: this only marks the server ready
+    body = {"lora_name": "chat", "lora_path": str(root / "chat")}
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as c:
+            for headers in ({}, {"authorization": f"Bearer {KEY}"}, {"authorization": "Bearer nope"}):
+                for route, payload in (("load", body), ("unload", {"lora_name": "sql"})):
+                    r = c.post(f"/v1/{route}_lora_adapter", json=payload, headers=headers)
+                    assert r.status_code == 401, (route, headers, r.text)
+                    assert r.json()["error"]["code"] == "invalid_admin_key"
+            assert "chat" not in {
+                m["id"]
+                for m in c.get("/v1/models", headers={"authorization": f"Bearer {KEY}"}).json()["data"]
+            }
+            as_admin = {"authorization": f"Bearer {ADMIN}"}
+            assert c.post("/v1/load_lora_adapter", json=body, headers=as_admin).status_code == 200
+            tenant = {"authorization": f"Bearer {KEY}"}
+            r = c.post(
+                "/v1/completions", headers=tenant, json={"model": "chat", "prompt": [5, 17], "max_tokens": 2}
+            )
+            assert r.status_code == 200, r.text
+            assert (
+                c.post("/v1/completions", headers=as_admin, json={"model": "chat", "prompt": [5]}).status_code
+                == 401
+            )
+            assert (
+                c.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}, headers=as_admin).status_code
+                == 200
+            )
+    finally:
+        running.stop()
+
+
+def test_admin_routes_without_an_admin_key(lora_server, caplog):
+    """No admin key: the routes exist only behind the explicit flag (404 otherwise, even with the API key),
+    and with the flag the start says who can call them."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from vsurge.server import vSurgeApiServer
+
+    _, root, api = lora_server
+    surge = api.models[MODEL].surge
+    off = vSurgeApiServer({MODEL: surge}, api_key=KEY, admin_key=ADMIN, owns_engines=False)
+    r = TestClient(off.app).post(
+        "/v1/load_lora_adapter",
+        json={"lora_name": "a", "lora_path": str(root)},
+        headers={"authorization": f"Bearer {ADMIN}"},
+    )
+    assert r.status_code == 404  # an admin key does not turn the routes on
+    with caplog.at_level(logging.WARNING, logger="vsurge.server.lora_routes"):
+        vSurgeApiServer({MODEL: surge}, lora_runtime_updates=True, owns_engines=False)
+    assert "without an admin key" in caplog.text and "anyone who reaches this port" in caplog.text
+    with pytest.raises(ValueError, match="differ"):
+        vSurgeApiServer({MODEL: surge}, api_key=KEY, admin_key=KEY, owns_engines=False)
+
+
+def test_serve_reads_the_admin_key():
+    assert parse_serve_config(["--admin-key", ADMIN], {}).admin_key == ADMIN
+    assert parse_serve_config([], {"VSURGE_ADMIN_KEY": ADMIN}).admin_key == ADMIN
+    assert parse_serve_config([], {}).admin_key is None
+    with pytest.raises(ConfigError, match="must differ"):
+        parse_serve_config([], {"VSURGE_ADMIN_KEY": KEY, "VSURGE_API_KEY": KEY})

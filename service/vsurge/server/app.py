@@ -73,6 +73,7 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes, Lora
         owns_engines: bool = True,
         tool_call_parser: str | None = None,
         lora_runtime_updates: bool = False,
+        admin_key: str | None = None,
     ) -> None:
         from .tool_parsers import PARSERS
 
@@ -90,8 +91,13 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes, Lora
         self.tool_call_parser = tool_call_parser
         # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (lora_routes.py)
         self.lora_runtime_updates = lora_runtime_updates
+        # those routes' own key (lora_routes.py): the API key does not open them where one is set
+        self.admin_key = admin_key or None
         self.models: dict[str, ServedModel] = {}
         self.api_key = api_key or None
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("admin_key must differ from api_key: the admin routes need a key of their own")
+        self._say_how_admin_routes_are_guarded()
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics()
         self.metrics.set_ready_probe(lambda: self.state == READY)

@@ -2,16 +2,22 @@
 lists adapters with `parent` = their base, and vLLM's routes load and unload adapters at run time.
 
 POST /v1/load_lora_adapter {"lora_name", "lora_path"} and POST /v1/unload_lora_adapter {"lora_name"} are
-vLLM's routes and bodies; they answer only when the server was started with --enable-lora-runtime-updates
-(404 otherwise) and, with an API key, only to a request that carries it (the server's one key). An adapter
-unloaded while requests use it stops being listed and accepted at once, and leaves the device when those
-requests have ended (drivers/lora_adapters.py).
+vLLM's routes and bodies, and the server's only run-time mutations: its admin routes. They answer only when
+the server was started with --enable-lora-runtime-updates (404 otherwise). With an admin key
+(--admin-key / VSURGE_ADMIN_KEY) they need `Authorization: Bearer <admin key>` and nothing else opens them
+(the API key, a tenant's key: 401), so a key that reaches the model pod to generate cannot change what it
+serves. Without one, the explicit flag is the opt-in: the API key guards them, as every route (and, with no
+API key either, nothing does: vLLM's behaviour, said by a warning at start). An adapter unloaded while
+requests use it stops being listed and accepted at once, and leaves the device when those requests have
+ended (drivers/lora_adapters.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +28,8 @@ from . import errors
 from .engine import ServedModel, _error_response, public_root
 from .errors import APIError
 from .route_helpers import answers_api_errors
+
+log = logging.getLogger(__name__)
 
 
 class AdapterSurge:
@@ -82,6 +90,32 @@ class LoraRoutes:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A mixin of vSurgeApiServer."""
 
     lora_runtime_updates: bool = False
+    admin_key: str | None = None
+
+    def _check_admin(self, request: Request) -> None:
+        """The admin routes' key: the admin key alone where one is set, else the API key (`_check_auth`)."""
+        if self.admin_key is None:
+            self._check_auth(request)
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # constant time, as the API key's check; a wrong scheme fails the same way
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.admin_key.encode()
+        ):
+            raise APIError(
+                401,
+                "This route needs the server's admin key. Send it as `Authorization: Bearer <admin key>`.",
+                type="invalid_request_error",
+                code="invalid_admin_key",
+            )
+
+    def _say_how_admin_routes_are_guarded(self) -> None:
+        if self.lora_runtime_updates and self.admin_key is None:
+            log.warning(
+                "runtime LoRA updates are on without an admin key: POST /v1/load_lora_adapter and "
+                "/v1/unload_lora_adapter answer to %s; set VSURGE_ADMIN_KEY",
+                "the API key" if getattr(self, "api_key", None) else "anyone who reaches this port",
+            )
 
     def _lora_target(self) -> Any:
         """The adapters of the first served model that has a bank."""
@@ -92,7 +126,7 @@ class LoraRoutes:
         raise APIError(400, "No served model has a LoRA adapter bank.", code="lora_not_enabled")
 
     async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> dict[str, str]:
-        self._check_auth(request)
+        self._check_admin(request)
         if not self.lora_runtime_updates:
             raise APIError(
                 404,
