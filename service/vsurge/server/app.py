@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from . import errors
+from .chat_runs import ChatRuns
 from .engine import ServedModel, _error_response
 from .errors import APIError
 from .generation import GenerationRoutes
@@ -31,6 +32,8 @@ from .lifecycle import DRAINING, READY, STARTING, STOPPED, Lifecycle
 from .lora_routes import LoraRoutes, find_adapter
 from .metrics import ServerMetrics
 from .parsing import read_json
+from .responses_routes import ResponsesRoutes
+from .responses_store import ResponseStore
 from .token_routes import TokenRoutes
 from .tracing import Tracing
 
@@ -46,7 +49,9 @@ _DRAIN_CAP_BYTES = 64 * 1024 * 1024
 _OFFLOAD_CHARS = 65536
 
 
-class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes, LoraRoutes):  # noqa: N801 - the seed's name
+class vSurgeApiServer(  # noqa: N801 - the seed's name
+    Lifecycle, GenerationRoutes, ChatRuns, ResponsesRoutes, InfoRoutes, TokenRoutes, LoraRoutes
+):
     """OpenAI-compatible HTTP server over `vsurge_map` (a vSurge, or {served name: vSurge}).
 
     `max_workers` (the seed's thread pool): threads for the work the server takes off its event loop
@@ -94,6 +99,8 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes, Lora
         # those routes' own key (lora_routes.py): the API key does not open them where one is set
         self.admin_key = admin_key or None
         self.models: dict[str, ServedModel] = {}
+        # /v1/responses' stored responses (store: true, previous_response_id), in memory
+        self.responses_store = ResponseStore()
         self.api_key = api_key or None
         if self.admin_key is not None and self.admin_key == self.api_key:
             raise ValueError("admin_key must differ from api_key: the admin routes need a key of their own")
@@ -129,6 +136,10 @@ class vSurgeApiServer(Lifecycle, GenerationRoutes, InfoRoutes, TokenRoutes, Lora
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/invocations", self.invocations, methods=["POST"]),
+            Route("/v1/responses", self.responses_create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.responses_get, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.responses_delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", self.responses_cancel, methods=["POST"]),
             Route("/v1/models", self.available_inference, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/v1/count_tokens", self.count_tokens, methods=["POST"]),
