@@ -63,6 +63,12 @@ ENV_ONLY: dict[str, tuple[str, str]] = {
         "keep each engine program's compiled executable under JAX's compilation cache dir and read it back at "
         "the next start, skipping tracing and lowering: `auto` (on off the CPU), `1` or `0`",
     ),
+    "VSURGE_CACHE_HMAC_KEY": (
+        "a per-host key file",
+        "the key every executable-store file is signed with (HMAC-SHA256, checked before anything is "
+        "unpickled; the operator sets it from a per-model Secret); unset: a random key in "
+        "`$VSURGE_CACHE_DIR/keys/cache-hmac.key` (0600), outside the compilation cache dir",
+    ),
     "VSURGE_PALLAS_KERNEL": (
         "by backend",
         "`mosaic`, `interpret` or `reference`: force what runs inside the paged attention kernel's `shard_map`",
