@@ -30,6 +30,7 @@ from .generation import GenerationRoutes
 from .info_routes import InfoRoutes
 from .lifecycle import DRAINING, READY, STARTING, STOPPED, Lifecycle
 from .lora_routes import LoraRoutes, find_adapter
+from .messages_routes import MessagesRoutes
 from .metrics import ServerMetrics
 from .parsing import read_json
 from .responses_routes import ResponsesRoutes
@@ -50,7 +51,14 @@ _OFFLOAD_CHARS = 65536
 
 
 class vSurgeApiServer(  # noqa: N801 - the seed's name
-    Lifecycle, GenerationRoutes, ChatRuns, ResponsesRoutes, InfoRoutes, TokenRoutes, LoraRoutes
+    Lifecycle,
+    GenerationRoutes,
+    ChatRuns,
+    ResponsesRoutes,
+    MessagesRoutes,
+    InfoRoutes,
+    TokenRoutes,
+    LoraRoutes,
 ):
     """OpenAI-compatible HTTP server over `vsurge_map` (a vSurge, or {served name: vSurge}).
 
@@ -140,6 +148,8 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
             Route("/v1/responses/{response_id}", self.responses_get, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.responses_delete, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/cancel", self.responses_cancel, methods=["POST"]),
+            Route("/v1/messages", self.messages_create, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.messages_count_tokens, methods=["POST"]),
             Route("/v1/models", self.available_inference, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/v1/count_tokens", self.count_tokens, methods=["POST"]),
@@ -190,6 +200,8 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        if not header and "x-api-key" in request.headers:  # the anthropic client's header (/v1/messages)
+            scheme, token = "bearer", request.headers["x-api-key"]
         # compare_digest on bytes: constant time in the key's length, no early exit on the first mismatch
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             token.strip().encode(), self.api_key.encode()

@@ -109,6 +109,8 @@ class ChatOutcome:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # the generated ids, a stop string's tokens included (what tells which stop sequence ended it)
+    token_ids: list[int] = field(default_factory=list)
 
 
 def outcome_of(col: Collector, plan: GenerationPlan) -> ChatOutcome:
@@ -117,7 +119,7 @@ def outcome_of(col: Collector, plan: GenerationPlan) -> ChatOutcome:
     if plan.tools is not None:
         content, calls, finish = resolve_choice(c.text, c.finish_reason, plan.tools)
     return ChatOutcome(
-        c.text, content, calls, finish, col.prompt_tokens, col.cached_tokens, c.generated_tokens
+        c.text, content, calls, finish, col.prompt_tokens, col.cached_tokens, c.generated_tokens, c.token_ids
     )
 
 
