@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = {
     "service": REPO / "docker" / "service.Dockerfile",
     "operator": REPO / "docker" / "operator.Dockerfile",
+    "router": REPO / "docker" / "router.Dockerfile",
 }
 
 _VAR = re.compile(
