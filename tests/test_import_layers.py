@@ -56,7 +56,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("drivers", ("vsurge.drivers",)),
     ("surge", ("vsurge.surge",)),
     ("server/multihost", ("vsurge.server", "vsurge.multihost")),
-    ("cli", ("vsurge.cli", "vsurge.serve_options", "vsurge.print_config")),
+    ("cli", ("vsurge.cli", "vsurge.serve_options", "vsurge.print_config", "vsurge.sizing")),
     ("facade", ("vsurge",)),
     ("benchmarks", ("benchmarks",)),
 )

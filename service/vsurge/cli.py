@@ -48,6 +48,19 @@ def build_surge(cfg: ServeConfig, model: Any, processor: Any, mesh: Any = None) 
     return vSurge.create(model, processor, cfg.engine.replace(mesh=mesh), vsurge_name=cfg.model_name)
 
 
+def size_engine(cfg: ServeConfig, model: Any, mesh: Any, say: Callable[[str], None]) -> None:
+    """Slots and context the flags left unset, sized from the memory the loaded weights leave
+    (vsurge/sizing.py); says the numbers it used."""
+    import jax
+
+    from vsurge import sizing
+
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    sized = sizing.measure(cfg.engine, cfg.explicit, model, cfg.dtype, devices)
+    cfg.engine = sizing.apply(cfg.engine, sized)
+    say(f"sized: {sized.slots} slots x {sized.context} tokens of context ({sized.describe()})")
+
+
 def build_api(cfg: ServeConfig) -> Any:
     """The server with `cfg`'s server options and no model yet (startup adds it)."""
     from vsurge.server import vSurgeApiServer
@@ -94,6 +107,8 @@ def run_serve(cfg: ServeConfig) -> int:
         model, processor = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization)
         load_s = time.perf_counter() - t0
         say(f"loaded {cfg.model_name} in {load_s:.1f}s")
+        if leader is None:  # a multi-host group keeps the plain defaults: every process must agree
+            size_engine(cfg, model, mesh, say)
         if leader is not None:
             surge = leader.surge(cfg, model, processor, mesh, api)
         else:

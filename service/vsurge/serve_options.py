@@ -276,6 +276,8 @@ class ServeConfig:
     loras: tuple[tuple[str, str], ...] = ()
     enable_lora_runtime_updates: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # the engine knobs a flag or a variable set: serve sizes the others from the device (vsurge/sizing.py)
+    explicit: frozenset[str] = frozenset()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Any:
@@ -354,6 +356,9 @@ def config_from_namespace(ns: argparse.Namespace, env: Mapping[str, str]) -> Ser
     """Flags over environment over defaults; an invalid env value raises ConfigError naming the variable."""
     values = flag_or_env_values(ns, env, SERVE_OPTIONS, _default, ConfigError)
     knobs = {name: values.pop(name) for name in ENGINE_FIELDS}
+    explicit = frozenset(
+        o.dest for o in ENGINE_OPTIONS if getattr(ns, o.dest, None) is not None or env.get(o.env, "").strip()
+    )
     try:
         loras = tuple(parse_lora(t) for t in getattr(ns, "lora", None) or ())
     except ValueError as e:
@@ -367,7 +372,9 @@ def config_from_namespace(ns: argparse.Namespace, env: Mapping[str, str]) -> Ser
         engine = EngineConfig(**knobs, enable_lora=bool(loras) or runtime)
     except ValueError as e:  # each value was checked as it was parsed; this is a combination of them
         raise ConfigError(str(e)) from None
-    cfg = ServeConfig(**values, loras=loras, enable_lora_runtime_updates=runtime, engine=engine)
+    cfg = ServeConfig(
+        **values, loras=loras, enable_lora_runtime_updates=runtime, engine=engine, explicit=explicit
+    )
     if cfg.model_name in names:
         raise ConfigError(f"--lora {cfg.model_name}: an adapter cannot take the served model's name")
     if cfg.admin_key and cfg.admin_key == cfg.api_key:

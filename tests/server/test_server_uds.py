@@ -75,6 +75,7 @@ def uds_server(tiny_dir):
 def test_openai_client_and_the_router_over_the_socket_then_sigterm_removes_it(uds_server):
     proc, path, log, http = uds_server
     assert any(f"at unix:{path}" in line for line in log), log  # readiness names the socket
+    assert any(f"sized: 4 slots x {MAX_LENGTH} tokens" in line for line in log), log  # set values kept
     assert "vsurge_requests" in http.get("/metrics").text  # /metrics on the socket: no port is opened
     with httpx.Client(transport=httpx.HTTPTransport(uds=path)) as h:
         client = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=h, max_retries=0)
