@@ -254,6 +254,15 @@ class vSurge:  # noqa: N801 - the seed's name
         """The driver's LoRA adapters (drivers/lora_adapters.py), or None without an adapter bank."""
         return getattr(self._driver, "lora", None)
 
+    def pooler(self) -> Any:
+        """The pooled-hidden-state program over this model's weights (/v1/embeddings), made once
+        (engines/pooling.py); call its compile() at warm-up."""
+        if getattr(self, "_pooler", None) is None:
+            from vsurge.engines.pooling import Pooler
+
+            self._pooler = Pooler.for_engine(self._engine)
+        return self._pooler
+
     def add_observer(self, fn: Callable[[RequestStats], None]) -> None:
         self._driver.add_observer(fn)
 

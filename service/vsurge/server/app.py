@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from . import errors
 from .chat_runs import ChatRuns
+from .embeddings import EmbeddingRoutes
 from .engine import ServedModel, _error_response
 from .errors import APIError
 from .generation import GenerationRoutes
@@ -56,6 +57,7 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
     ChatRuns,
     ResponsesRoutes,
     MessagesRoutes,
+    EmbeddingRoutes,
     InfoRoutes,
     TokenRoutes,
     LoraRoutes,
@@ -150,6 +152,8 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
             Route("/v1/responses/{response_id}/cancel", self.responses_cancel, methods=["POST"]),
             Route("/v1/messages", self.messages_create, methods=["POST"]),
             Route("/v1/messages/count_tokens", self.messages_count_tokens, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/pooling", self.pooling, methods=["POST"]),
             Route("/v1/models", self.available_inference, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/v1/count_tokens", self.count_tokens, methods=["POST"]),

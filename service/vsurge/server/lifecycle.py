@@ -64,6 +64,10 @@ class Lifecycle:
             if seconds is not None:
                 self.metrics.compile_seconds.labels(name).set(seconds)
                 self.metrics.load_seconds.labels(name, "compile").set(seconds)
+            if hasattr(entry.surge, "pooler"):  # /v1/embeddings' programs, so no request compiles one
+                t0 = time.perf_counter()
+                entry.surge.pooler().compile()
+                say(f"compiled {name}'s pooling programs in {time.perf_counter() - t0:.1f}s")
         self.mark_ready()
 
     def mark_ready(self) -> None:
