@@ -67,6 +67,9 @@ class Pooler:
 
     @classmethod
     def for_engine(cls, engine: Any) -> Pooler:
+        if jax.process_count() > 1:
+            # a multi-host slice runs its programs in lockstep (multihost/); one host alone must not
+            raise NotImplementedError("embeddings are not served by a multi-host engine")
         # the prefill buckets: what the engine already bounds a prompt by (longer input is a 400)
         lengths = getattr(engine, "prefill_lengths", None) or [engine.max_length]
         return cls(

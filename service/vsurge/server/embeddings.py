@@ -175,7 +175,10 @@ class EmbeddingRoutes:
             plan = parse_embeddings(data, vocab_size=entry.vocab_size, max_length=entry.max_length)
             if not hasattr(entry.surge, "pooler"):
                 raise unsupported_field("model", "this engine serves no embeddings")
-            pooler = entry.surge.pooler()
+            try:
+                pooler = entry.surge.pooler()
+            except NotImplementedError as e:
+                raise unsupported_field("model", str(e)) from None
             if plan.dimensions is not None and plan.dimensions != pooler.dim:
                 raise unsupported_field(
                     "dimensions",

@@ -66,8 +66,11 @@ class Lifecycle:
                 self.metrics.load_seconds.labels(name, "compile").set(seconds)
             if hasattr(entry.surge, "pooler"):  # /v1/embeddings' programs, so no request compiles one
                 t0 = time.perf_counter()
-                entry.surge.pooler().compile()
-                say(f"compiled {name}'s pooling programs in {time.perf_counter() - t0:.1f}s")
+                try:
+                    entry.surge.pooler().compile()
+                    say(f"compiled {name}'s pooling programs in {time.perf_counter() - t0:.1f}s")
+                except Exception as e:  # noqa: BLE001 - generation is served anyway; /v1/embeddings says why not
+                    log.warning("no embeddings for %s: %s", name, e)
         self.mark_ready()
 
     def mark_ready(self) -> None:
