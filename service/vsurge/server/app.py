@@ -34,6 +34,7 @@ from .lora_routes import LoraRoutes, find_adapter
 from .messages_routes import MessagesRoutes
 from .metrics import ServerMetrics
 from .parsing import read_json
+from .render_routes import RenderRoutes
 from .responses_routes import ResponsesRoutes
 from .responses_store import ResponseStore
 from .token_routes import TokenRoutes
@@ -58,6 +59,7 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
     ResponsesRoutes,
     MessagesRoutes,
     EmbeddingRoutes,
+    RenderRoutes,
     InfoRoutes,
     TokenRoutes,
     LoraRoutes,
@@ -145,6 +147,8 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions/render", self.render_chat, methods=["POST"]),
+            Route("/v1/completions/render", self.render_completion, methods=["POST"]),
             Route("/invocations", self.invocations, methods=["POST"]),
             Route("/v1/responses", self.responses_create, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.responses_get, methods=["GET"]),
