@@ -20,6 +20,9 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.test-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[serve,test]'
+	# promtool (Debian's prometheus package) runs the chart's alert rules in tests/helm/test_helm_alert_rules.py
+	command -v promtool >/dev/null || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 	touch $@
 
 install: $(VENV)/.installed

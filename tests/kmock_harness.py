@@ -220,6 +220,9 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
     emulator.resources["networking.k8s.io/v1/networkpolicies"] = info(
         kind="NetworkPolicy", singular="networkpolicy", namespaced=True, verbs=VERBS
     )
+    emulator.resources["inference.networking.k8s.io/v1/inferencepools"] = info(
+        kind="InferencePool", singular="inferencepool", namespaced=True, verbs=VERBS
+    )
     emulator.resources["apps/v1/deployments"] = info(
         kind="Deployment",
         singular="deployment",

@@ -32,6 +32,21 @@ class OperatorConfig:
     peering_lifetime_seconds: int = 15
     # Port of the operator's /metrics (None: not served).
     metrics_port: int | None = None
+    # spec.compileCache.accessMode when unset: ReadWriteOnce (a claim per pod, any storage class has it) or
+    # ReadWriteMany (one claim shared by the model's pods: the class must offer it, or the pods stay Pending).
+    compile_cache_access_mode: str = "ReadWriteOnce"
+    # spec.gateway defaults (gateway.py): an InferencePool per model, and the endpoint picker it names.
+    inference_pool: bool = False
+    endpoint_picker: str = "vsurge-epp"
+    endpoint_picker_port: int = 9002
+    endpoint_picker_failure_mode: str = "FailClose"
+    # The model pods' NetworkPolicy (access.py): on/off, and who may reach the serving and metrics ports.
+    network_policy: bool = False
+    serving_from_namespaces: tuple[str, ...] = ()
+    serving_from_cidrs: tuple[str, ...] = ()
+    metrics_from_namespaces: tuple[str, ...] = ()
+    # The operator's own namespace: it reads the pods' /metrics and /v1/models.
+    namespace: str | None = None
 
     def model_images(self) -> dict[str, str | None]:
         """The image of a model without spec.image, by its accelerator (tpu, gpu, cpu)."""
@@ -69,4 +84,27 @@ class OperatorConfig:
             metrics_port=int(env["VSURGE_OPERATOR_METRICS_PORT"])
             if env.get("VSURGE_OPERATOR_METRICS_PORT")
             else None,
+            compile_cache_access_mode=env.get("VSURGE_OPERATOR_COMPILE_CACHE_ACCESS_MODE")
+            or d.compile_cache_access_mode,
+            inference_pool=_flag(env.get("VSURGE_OPERATOR_INFERENCE_POOL"), d.inference_pool),
+            endpoint_picker=env.get("VSURGE_OPERATOR_ENDPOINT_PICKER") or d.endpoint_picker,
+            endpoint_picker_port=int(num("VSURGE_OPERATOR_ENDPOINT_PICKER_PORT", d.endpoint_picker_port)),
+            endpoint_picker_failure_mode=env.get("VSURGE_OPERATOR_ENDPOINT_PICKER_FAILURE_MODE")
+            or d.endpoint_picker_failure_mode,
+            network_policy=_flag(env.get("VSURGE_OPERATOR_NETWORK_POLICY"), d.network_policy),
+            serving_from_namespaces=_names(env.get("VSURGE_OPERATOR_SERVING_FROM_NAMESPACES")),
+            serving_from_cidrs=_names(env.get("VSURGE_OPERATOR_SERVING_FROM_CIDRS")),
+            metrics_from_namespaces=_names(env.get("VSURGE_OPERATOR_METRICS_FROM_NAMESPACES")),
+            namespace=env.get("VSURGE_OPERATOR_NAMESPACE") or None,
         )
+
+
+def _flag(raw: str | None, default: bool) -> bool:
+    if raw in (None, ""):
+        return default
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _names(raw: str | None) -> tuple[str, ...]:
+    """A comma-separated list (namespaces, CIDRs), blanks dropped, order kept."""
+    return tuple(dict.fromkeys(p.strip() for p in (raw or "").split(",") if p.strip()))

@@ -53,10 +53,23 @@ INFERENCE_MODEL = Resource(crd.API_VERSION, crd.PLURAL, crd.KIND)
 # a multi-host model's step lane (lane.py): its secret and who may reach it
 SECRET = Resource("v1", "secrets", "Secret")
 NETWORK_POLICY = Resource("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy")
+# spec.gateway (gateway.py): the Gateway API Inference Extension's pool of the model's pods
+INFERENCE_POOL = Resource("inference.networking.k8s.io/v1", "inferencepools", "InferencePool")
 
 BY_KIND = {
     r.kind: r
-    for r in (DEPLOYMENT, LEADER_WORKER_SET, SERVICE, PDB, POD, PVC, INFERENCE_MODEL, SECRET, NETWORK_POLICY)
+    for r in (
+        DEPLOYMENT,
+        LEADER_WORKER_SET,
+        SERVICE,
+        PDB,
+        POD,
+        PVC,
+        INFERENCE_MODEL,
+        SECRET,
+        NETWORK_POLICY,
+        INFERENCE_POOL,
+    )
 }
 
 

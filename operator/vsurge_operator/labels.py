@@ -22,6 +22,9 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 MANAGER = "vsurge-operator"
 APP_NAME = "vsurge-server"
+# The label llm-d's endpoint picker reads to choose a pod's metric names (llm-d.ai/engine-type, and the
+# Gateway API Inference Extension's older key): `vsurge serve` exports vLLM's (vllm:num_requests_waiting...).
+ENGINE_TYPE_LABELS = {"llm-d.ai/engine-type": "vllm", "inference.networking.k8s.io/engine-type": "vllm"}
 
 
 def selector_labels(model: ModelSpec) -> dict[str, str]:

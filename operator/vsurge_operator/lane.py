@@ -82,9 +82,13 @@ def ensure_secret(api: kube.Kube, model: ModelSpec) -> str:
     return version(live)
 
 
-def network_policy(model: ModelSpec) -> dict[str, Any]:
-    """Ingress to the model's pods: from its own pods on any port, from anyone on http and metrics."""
+def network_policy(model: ModelSpec, *, open_ports: bool = True) -> dict[str, Any]:
+    """Ingress to the model's pods: from its own pods on any port, and (``open_ports``) from anyone on http
+    and metrics; without it, the model's own policy (access.py) says who reaches those."""
     pods = {**labels.selector_labels(model), LWS_NAME_LABEL: model.name}
+    open_rule = [
+        {"ports": [{"protocol": "TCP", "port": HTTP_PORT}, {"protocol": "TCP", "port": METRICS_PORT}]}
+    ]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -94,12 +98,7 @@ def network_policy(model: ModelSpec) -> dict[str, Any]:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": pods}}]},
-                {
-                    "ports": [
-                        {"protocol": "TCP", "port": HTTP_PORT},
-                        {"protocol": "TCP", "port": METRICS_PORT},
-                    ]
-                },
+                *(open_rule if open_ports else []),
             ],
         },
     }

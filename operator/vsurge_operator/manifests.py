@@ -12,11 +12,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vsurge_operator import adapters, compile_cache, engine_options, gpu, lane, podsecurity, rollout, tpu
+from vsurge_operator import (
+    access,
+    adapters,
+    compile_cache,
+    disruption,
+    engine_options,
+    gateway,
+    gpu,
+    lane,
+    model_secrets,
+    podsecurity,
+    rollout,
+    tpu,
+)
 
 # re-exported: the labels and owner reference every object carries live in labels.py (lane.py stamps them too)
 from vsurge_operator.labels import (  # noqa: F401
     APP_NAME,
+    ENGINE_TYPE_LABELS,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
@@ -145,6 +159,8 @@ def env(model: ModelSpec) -> list[dict[str, Any]]:
     out.append(_value_env("HF_HOME", f"{CACHE_DIR}/huggingface"))
     # SIGTERM waits this long for generations in flight; the grace period leaves room for it.
     out.append(_value_env("VSURGE_DRAIN_TIMEOUT", model.drain_seconds))
+    # the compile cache's signing key and the model's own API key, from their Secrets (model_secrets.py)
+    out += model_secrets.env(model)
     if model.credentials_secret:
         out.append(_value_env("VSURGE_CREDENTIALS_DIR", CREDENTIALS_DIR))
     if model.tracing is not None:
@@ -330,7 +346,8 @@ def pod_template(model: ModelSpec, *, probes: bool = True) -> dict[str, Any]:
     # The user's pod labels and annotations first: ours (the selector's) win.
     return {
         "metadata": {
-            "labels": {**model.pod_labels, **labels(model)},
+            # the engine-type labels tell llm-d's endpoint picker which metric names the pods speak (vLLM's)
+            "labels": {**model.pod_labels, **labels(model), **ENGINE_TYPE_LABELS},
             "annotations": {
                 **model.pod_annotations,
                 "kubectl.kubernetes.io/default-container": CONTAINER_NAME,
@@ -426,29 +443,30 @@ def service(model: ModelSpec) -> dict[str, Any]:
     }
 
 
-def pod_disruption_budget(model: ModelSpec) -> dict[str, Any]:
-    # One replica at a time; for a multi-host model that is one whole group of pods.
-    max_unavailable = model.placement.hosts if model.multi_host and model.placement else 1
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": _metadata(model),
-        "spec": {
-            "maxUnavailable": max_unavailable,
-            "selector": {"matchLabels": selector_labels(model)},
-            # A pod stuck loading must not block node drains.
-            "unhealthyPodEvictionPolicy": "AlwaysAllow",
-        },
-    }
+pod_disruption_budget = disruption.pod_disruption_budget  # re-exported: the tests' name for it
 
 
-def desired_objects(model: ModelSpec, lane_version: str | None = None) -> list[dict[str, Any]]:
+def desired_objects(
+    model: ModelSpec,
+    lane_version: str | None = None,
+    *,
+    reach: access.Access | None = None,
+    pool: gateway.PoolDefaults | None = None,
+) -> list[dict[str, Any]]:
     """Everything the model needs, workload first (a multi-host model's lane Secret is made apart, once:
-    ``lane.ensure_secret``; ``lane_version`` is its digest)."""
-    objects = [workload(model, lane_version), service(model), pod_disruption_budget(model)]
+    ``lane.ensure_secret``; ``lane_version`` is its digest). ``reach``: the pods' NetworkPolicy settings
+    (access.py); ``pool``: the InferencePool defaults (gateway.py)."""
+    reach = reach or access.Access()
+    objects = [workload(model, lane_version), service(model), *disruption.budgets(model)]
     claim = compile_cache.claim(model, _metadata(model))
     if claim is not None:
         objects.append(claim)
-    if model.multi_host:
-        objects.append(lane.network_policy(model))
+    if model.multi_host:  # its own pods on any port; anyone on http/metrics unless the model policy decides
+        objects.append(lane.network_policy(model, open_ports=not reach.enabled))
+    for extra in (
+        access.network_policy(model, reach),
+        gateway.inference_pool(model, pool or gateway.PoolDefaults()),
+    ):
+        if extra is not None:
+            objects.append(extra)
     return objects

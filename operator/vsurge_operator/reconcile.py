@@ -14,7 +14,20 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from vsurge_operator import apply, kube, lane, manifests, status, tracing, validation
+from vsurge_operator import (
+    access,
+    apply,
+    compile_cache,
+    disruption,
+    gateway,
+    kube,
+    lane,
+    manifests,
+    model_secrets,
+    status,
+    tracing,
+    validation,
+)
 from vsurge_operator import spec as specmod
 from vsurge_operator.config import OperatorConfig
 
@@ -30,6 +43,15 @@ def _no_events(body: Mapping[str, Any], type_: str, reason: str, message: str) -
 
 class MissingApi(Exception):
     """A resource kind the model needs is not installed in the cluster."""
+
+
+# kinds of other projects' CRDs, and what to install when the cluster does not serve them
+_OTHER_PROJECTS = {
+    "LeaderWorkerSet": "LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) is not served by this cluster; "
+    "install LWS to run multi-host TPU slices",
+    "InferencePool": "InferencePool (inference.networking.k8s.io/v1) is not served by this cluster; install "
+    "the Gateway API Inference Extension's CRDs, or set spec.gateway.inferencePool to false",
+}
 
 
 @dataclass
@@ -83,17 +105,18 @@ class Reconciler:
             return Outcome(errors=errors, status_patch=patch)
 
         model = specmod.parse(body, default_image=self.config.model_images())
+        model = compile_cache.with_default(model, self.config.compile_cache_access_mode)
         outcome = Outcome()
         lane_version = lane.ensure_secret(self.api, model) if model.multi_host else None
-        for obj in manifests.desired_objects(model, lane_version):
+        model_secrets.ensure_cache_key(self.api, model)
+        reach, pool = self.surroundings()
+        desired = manifests.desired_objects(model, lane_version, reach=reach, pool=pool)
+        for obj in desired:
             try:
                 applied = apply.ensure(self.api, obj, model.uid)
             except ApiException as e:
-                if e.status == 404 and obj["kind"] == "LeaderWorkerSet":
-                    raise MissingApi(
-                        "LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) is not served by this cluster; "
-                        "install LWS to run multi-host TPU slices"
-                    ) from e
+                if e.status == 404 and obj["kind"] in _OTHER_PROJECTS:
+                    raise MissingApi(_OTHER_PROJECTS[obj["kind"]]) from e
                 raise
             outcome.applied.append(applied)
             if applied.action != "unchanged":
@@ -114,6 +137,10 @@ class Reconciler:
                     body, "Normal", "Deleted", f"Deleted {kind} {lane.name(model)} (one host: no lane)"
                 )
 
+        for kind, name_ in self._leftovers(model, desired):
+            outcome.removed.append(kind)
+            self.events(body, "Normal", "Deleted", f"Deleted {kind} {name_} (no longer wanted)")
+
         pods = self._pods(model)
         new = status.reconciled(model, outcome.applied[0].live, previous, now, pods)
         outcome.status_patch = self._write_status(body, new)
@@ -127,6 +154,41 @@ class Reconciler:
         if failure and failure != (previous.get("lastGroupFailure") or {}).get("message"):
             self.events(body, "Warning", lane.GROUP_FAILED, failure)
         return outcome
+
+    def surroundings(self) -> tuple[access.Access, gateway.PoolDefaults]:
+        """The operator's settings for the model policies and pools (config.py)."""
+        c = self.config
+        reach = access.Access(
+            enabled=c.network_policy,
+            serving_namespaces=c.serving_from_namespaces,
+            serving_cidrs=c.serving_from_cidrs,
+            metrics_namespaces=c.metrics_from_namespaces,
+            operator_namespace=c.namespace,
+        )
+        pool = gateway.PoolDefaults(
+            c.inference_pool, c.endpoint_picker, c.endpoint_picker_port, c.endpoint_picker_failure_mode
+        )
+        return reach, pool
+
+    def _leftovers(self, model: specmod.ModelSpec, desired: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        """Delete what the model no longer wants and we control: its pool or policy (turned off), the
+        budgets of groups scaled away."""
+        have = {(o["kind"], o["metadata"]["name"]) for o in desired}
+        out = []
+        for res in (kube.INFERENCE_POOL, kube.NETWORK_POLICY):
+            if (res.kind, model.name) in have:
+                continue
+            try:
+                if apply.remove_if_controlled(self.api, res, model.namespace, model.name, model.uid):
+                    out.append((res.kind, model.name))
+            except ApiException as e:
+                if e.status not in (403, 404):  # not served (no GIE CRDs) or not ours to read: nothing to do
+                    raise
+        live = self.api.list(kube.PDB, model.namespace, label_selector=manifests.selector_string(model))
+        for name in disruption.stale(model, live):
+            if self.api.delete(kube.PDB, model.namespace, name):
+                out.append((kube.PDB.kind, name))
+        return out
 
     def _pods(self, model: specmod.ModelSpec) -> list[dict[str, Any]] | None:
         """The model's pods (for their termination messages); None when they cannot be read."""

@@ -94,7 +94,25 @@ class CompileCacheSpec:
     claim_name: str | None = None
     size: str | None = None
     storage_class_name: str | None = None
-    access_mode: str = "ReadWriteMany"
+    access_mode: str | None = None  # None: the operator's default (OperatorConfig.compile_cache_access_mode)
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """spec.gateway: the model's InferencePool; None fields take the operator's defaults (gateway.py)."""
+
+    inference_pool: bool | None = None
+    picker_name: str | None = None
+    picker_port: int | None = None
+    failure_mode: str | None = None
+
+
+@dataclass(frozen=True)
+class ApiKeySecret:
+    """spec.apiKeySecret: the Secret key the pods require as a bearer key (VSURGE_API_KEY)."""
+
+    name: str
+    key: str = "api-key"
 
 
 @dataclass(frozen=True)
@@ -142,6 +160,8 @@ class ModelSpec:
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     compile_cache: CompileCacheSpec | None = None
     adapters: tuple[adaptersmod.AdapterSpec, ...] = ()  # spec.adapters (LoRA)
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
+    api_key_secret: ApiKeySecret | None = None
 
     @property
     def accelerator(self) -> str:
@@ -235,8 +255,26 @@ def compile_cache_from(raw: Mapping[str, Any] | None) -> CompileCacheSpec | None
         claim_name=raw.get("claimName") or None,
         size=None if raw.get("size") is None else str(raw["size"]),
         storage_class_name=raw.get("storageClassName") or None,
-        access_mode=raw.get("accessMode") or "ReadWriteMany",
+        access_mode=raw.get("accessMode") or None,
     )
+
+
+def gateway_from(raw: Mapping[str, Any] | None) -> GatewaySpec:
+    raw = raw or {}
+    picker = raw.get("endpointPicker") or {}
+    pool = raw.get("inferencePool")
+    return GatewaySpec(
+        inference_pool=None if pool is None else bool(pool),
+        picker_name=picker.get("name") or None,
+        picker_port=int(picker["port"]) if picker.get("port") else None,
+        failure_mode=picker.get("failureMode") or None,
+    )
+
+
+def api_key_secret_from(raw: Mapping[str, Any] | None) -> ApiKeySecret | None:
+    if not raw or not raw.get("name"):
+        return None
+    return ApiKeySecret(name=raw["name"], key=raw.get("key") or "api-key")
 
 
 def parse(body: Mapping[str, Any], *, default_image: str | Mapping[str, str] | None = None) -> ModelSpec:
@@ -297,4 +335,6 @@ def parse(body: Mapping[str, Any], *, default_image: str | Mapping[str, str] | N
         ),
         compile_cache=compile_cache_from(spec.get("compileCache")),
         adapters=adaptersmod.adapters_from(spec.get("adapters")),
+        gateway=gateway_from(spec.get("gateway")),
+        api_key_secret=api_key_secret_from(spec.get("apiKeySecret")),
     )

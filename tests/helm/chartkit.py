@@ -30,6 +30,7 @@ SCENARIOS: dict[str, tuple[str | None, str]] = {
     "all-options": ("all-options-values.yaml", "vsurge-system"),
     "namespaced": ("namespaced-values.yaml", "team-a"),
     "gateway": ("gateway-values.yaml", "vsurge-system"),
+    "gateway-llmd": ("gateway-llmd-values.yaml", "vsurge-system"),
 }
 
 

@@ -60,6 +60,18 @@ _CLUSTER_WIDE: set[tuple[str, str | None, str]] = {
     # Two operator replicas (one active, kopf peering) and a PDB that keeps one.
     ("ClusterKopfPeering", None, "vsurge-operator"),
     ("PodDisruptionBudget", "vsurge-system", "vsurge-operator"),
+    # the operator's /metrics, scraped on every replica
+    ("Service", "vsurge-system", "vsurge-operator-metrics"),
+    # Secrets only in Roles (secretNamespaces, default the release namespace), never cluster-wide
+    ("Role", "vsurge-system", "vsurge-operator-secrets"),
+    ("RoleBinding", "vsurge-system", "vsurge-operator-secrets"),
+    ("Role", "vsurge-system", "vsurge-router-secrets"),
+    ("RoleBinding", "vsurge-system", "vsurge-router-secrets"),
+}
+_LLMD = {
+    (kind, ns, f"{model}-epp")
+    for ns, model in (("vsurge-system", "smollm2"), ("team-b", "qwen"))
+    for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Deployment", "Service")
 }
 INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
     "defaults": _CLUSTER_WIDE | {("ServiceAccount", "vsurge-system", "vsurge-operator")},
@@ -68,9 +80,17 @@ INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
         ("ServiceAccount", "vsurge-system", "vsurge-operator"),
         ("Secret", "vsurge-system", "vsurge-router-api-keys"),
         ("InferenceModel", "vsurge-system", "smollm2"),
-        ("InferencePool", "vsurge-system", "smollm2"),
+        # the pools are the operator's (one per InferenceModel); the chart routes to them and runs the picker
         ("HTTPRoute", "vsurge-system", "smollm2"),
-        ("InferencePool", "team-b", "qwen"),
+        ("HTTPRoute", "team-b", "qwen"),
+        ("Service", "vsurge-system", "vsurge-epp"),
+    },
+    "gateway-llmd": _CLUSTER_WIDE
+    | _LLMD
+    | {
+        ("ServiceAccount", "vsurge-system", "vsurge-operator"),
+        ("InferenceModel", "vsurge-system", "smollm2"),
+        ("HTTPRoute", "vsurge-system", "smollm2"),
         ("HTTPRoute", "team-b", "qwen"),
     },
     "all-options": _CLUSTER_WIDE
@@ -86,6 +106,8 @@ INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
         ("InferenceModel", "vsurge-system", "llama-3-8b"),
         ("ConfigMap", "vsurge-system", "vsurge-dashboards"),
         ("PrometheusRule", "vsurge-system", "vsurge"),
+        ("ServiceMonitor", "vsurge-system", "vsurge-operator"),
+        ("PodMonitoring", "vsurge-system", "vsurge-operator"),
     },
     "namespaced": {
         ("ServiceAccount", "team-a", "vsurge-operator"),
@@ -115,6 +137,15 @@ INVENTORY: dict[str, set[tuple[str, str | None, str]]] = {
         ("PodMonitoring", "team-a", "vsurge-models"),
         ("PodMonitoring", "team-b", "vsurge-models"),
         ("InferenceModel", "team-a", "smollm2"),
+        ("Service", "team-a", "vsurge-operator-metrics"),
+        ("ServiceMonitor", "team-a", "vsurge-operator"),
+        ("PodMonitoring", "team-a", "vsurge-operator"),
+        *(
+            (kind, ns, f"vsurge-{who}-secrets")
+            for ns in ("team-a", "team-b")
+            for who in ("operator", "router")
+            for kind in ("Role", "RoleBinding")
+        ),
     },
 }
 
@@ -267,33 +298,32 @@ def _released_crd_schema(filename: str) -> dict[str, Any]:
 
 
 def test_gateway_objects(renders: dict[str, Rendered]) -> None:
-    """router.mode gateway: each InferencePool and HTTPRoute is valid against the released CRDs (the
-    extension's v1.6.0, Gateway API's v1.6.1 standard channel; vendored in tests/fixtures, applied to the
-    real API server by tests/cluster), loses no field to pruning, and points at what the operator runs."""
-    from vsurge_operator.manifests import APP_NAME, LABEL_MODEL, LABEL_NAME
-    from vsurge_operator.spec import HTTP_PORT
+    """router.mode gateway: each HTTPRoute is valid against Gateway API's released CRD (v1.6.1 standard
+    channel; vendored in tests/fixtures, applied to the real API server by tests/cluster), loses no field
+    to pruning and routes to the InferencePool the operator renders for the model (valid against the
+    extension's released v1.6.0 CRD, its selector the operator's serving pods), whose endpoint picker is
+    the router's own Service here, on the router pods' ext_proc port."""
+    from vsurge_operator import gateway as opgateway
+    from vsurge_operator import spec as opspec
+    from vsurge_operator.config import OperatorConfig
+    from vsurge_operator.reconcile import Reconciler
 
     r = renders["gateway"]
     pool_schema = _released_crd_schema("inferencepools.inference.networking.k8s.io.yaml")
     route_schema = _released_crd_schema("httproutes.gateway.networking.k8s.io.yaml")
-    pools, routes = r.of_kind("InferencePool"), r.of_kind("HTTPRoute")
-    assert len(pools) == len(routes) == 2
-    for obj, schema in [(p, pool_schema) for p in pools] + [(h, route_schema) for h in routes]:
-        errors = list(jsonschema.Draft4Validator(schema).iter_errors(obj))
-        assert not errors, f"{obj['kind']} {obj['metadata']['name']}: {[e.message for e in errors]}"
-        assert _pruned(obj, schema) == [], f"{obj['kind']} {obj['metadata']['name']}: fields the server drops"
+    routes = r.of_kind("HTTPRoute")
+    assert len(routes) == 2 and not r.of_kind("InferencePool")  # the pools are the operator's
+    # the operator's settings, from the environment the chart gives it
+    env = {e["name"]: e.get("value") for e in _container(r, "vsurge-operator")["env"] if "value" in e}
+    config = OperatorConfig.from_env(env)
+    assert config.inference_pool and config.endpoint_picker == "vsurge-epp"
+    _, defaults = Reconciler(None, config).surroundings()  # type: ignore[arg-type]
     served = {"smollm2": "smollm2", "qwen": "qwen-2.5-7b"}
-    for pool in pools:
-        name = pool["metadata"]["name"]
-        # The operator's pod labels and model port (operator/vsurge_operator/manifests.py, spec.py).
-        assert pool["spec"]["selector"]["matchLabels"] == {LABEL_NAME: APP_NAME, LABEL_MODEL: name}
-        assert pool["spec"]["targetPorts"] == [{"number": HTTP_PORT}]
-        assert pool["spec"]["endpointPickerRef"] == {
-            "name": "vsurge-epp",
-            "port": {"number": 9002},
-            "failureMode": "FailOpen",
-        }
-        route = r.get("HTTPRoute", name, namespace=pool["metadata"]["namespace"])
+    for route in routes:
+        name, ns = route["metadata"]["name"], route["metadata"]["namespace"]
+        errors = list(jsonschema.Draft4Validator(route_schema).iter_errors(route))
+        assert not errors, f"HTTPRoute {name}: {[e.message for e in errors]}"
+        assert _pruned(route, route_schema) == [], f"HTTPRoute {name}: fields the server drops"
         (rule,) = route["spec"]["rules"]
         assert rule["backendRefs"] == [
             {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": name}
@@ -302,12 +332,84 @@ def test_gateway_objects(renders: dict[str, Rendered]) -> None:
             {"type": "Exact", "name": "X-Gateway-Model-Name", "value": served[name]}
         ]
         assert route["spec"]["parentRefs"] == [{"name": "inference-gateway", "sectionName": "http"}]
+        body = {
+            "metadata": {"name": name, "namespace": ns, "uid": "u"},
+            "spec": {"model": {"source": "default"}},
+        }
+        pool = opgateway.inference_pool(opspec.parse(body, default_image="img"), defaults)
+        assert pool is not None
+        errors = list(jsonschema.Draft4Validator(pool_schema).iter_errors(pool))
+        assert not errors and _pruned(pool, pool_schema) == [], f"InferencePool {name}: {errors}"
+        assert pool["spec"]["endpointPickerRef"] == {
+            "name": "vsurge-epp",
+            "port": {"number": 9002},
+            "failureMode": "FailOpen",
+        }
+    picker = r.get("Service", "vsurge-epp")
+    assert (
+        picker["spec"]["ports"][0]["targetPort"] == "ext-proc" and picker["spec"]["ports"][0]["port"] == 9002
+    )
+    router_ports = {p["name"]: p["containerPort"] for p in _container(r, "vsurge-router")["ports"]}
+    assert router_ports["ext-proc"] == 9002
+    router_labels = r.get("Deployment", "vsurge-router")["spec"]["template"]["metadata"]["labels"]
+    assert picker["spec"]["selector"].items() <= router_labels.items()
     # Control: the released schemas do reject something.
-    broken = copy.deepcopy(pools[0])
+    broken = copy.deepcopy(pool)
     broken["spec"]["targetPorts"] = [{"number": 0}]
     assert list(jsonschema.Draft4Validator(pool_schema).iter_errors(broken))
-    # The other scenarios render none.
-    assert not any(renders[n].of_kind("InferencePool") for n in ("defaults", "all-options", "namespaced"))
+    # The other scenarios route nothing through a Gateway.
+    assert not any(renders[n].of_kind("HTTPRoute") for n in ("defaults", "all-options", "namespaced"))
+
+
+def test_llmd_endpoint_picker(renders: dict[str, Rendered]) -> None:
+    """endpointPicker.type llm-d: llm-d's inference scheduler per listed model, named as the operator's
+    pools name it (`<model>-epp`), configured for `vsurge serve`: its pool, the pods' metrics port (11557,
+    not the pool's 11556), llm-d's scorers (queue, KV use, prefix, LoRA); the pods carry the engine-type
+    label it reads. Its image cannot run here: the objects are validated (Kubernetes schemas, and on the
+    real API server by tests/cluster)."""
+    from vsurge_operator import gateway as opgateway
+    from vsurge_operator import manifests
+    from vsurge_operator import spec as opspec
+    from vsurge_operator.config import OperatorConfig
+    from vsurge_operator.reconcile import Reconciler
+
+    r = renders["gateway-llmd"]
+    env = {e["name"]: e.get("value") for e in _container(r, "vsurge-operator")["env"] if "value" in e}
+    _, defaults = Reconciler(None, OperatorConfig.from_env(env)).surroundings()  # type: ignore[arg-type]
+    for model, ns in (("smollm2", "vsurge-system"), ("qwen", "team-b")):
+        body = {
+            "metadata": {"name": model, "namespace": ns, "uid": "u"},
+            "spec": {"model": {"source": "default"}},
+        }
+        m = opspec.parse(body, default_image="img")
+        pool = opgateway.inference_pool(m, defaults)
+        assert pool is not None and pool["spec"]["endpointPickerRef"]["name"] == f"{model}-epp"
+        deployment = r.get("Deployment", f"{model}-epp", namespace=ns)
+        (c,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert c["image"] == "ghcr.io/llm-d/llm-d-inference-scheduler:v0.7.1"
+        assert f"--pool-name={model}" in c["args"] and f"--pool-namespace={ns}" in c["args"]
+        assert "--model-server-metrics-port=11557" in c["args"]
+        config = yaml.safe_load(r.get("ConfigMap", f"{model}-epp", namespace=ns)["data"]["epp.yaml"])
+        assert config["kind"] == "EndpointPickerConfig"
+        types = {p["type"] for p in config["plugins"]}
+        assert {
+            "queue-scorer",
+            "kv-cache-utilization-scorer",
+            "prefix-cache-scorer",
+            "lora-affinity-scorer",
+        } <= types
+        service = r.get("Service", f"{model}-epp", namespace=ns)
+        assert service["spec"]["ports"][0]["port"] == pool["spec"]["endpointPickerRef"]["port"]["number"]
+        assert (
+            service["spec"]["selector"].items()
+            <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        )
+        labels = manifests.pod_template(m)["metadata"]["labels"]
+        assert labels["llm-d.ai/engine-type"] == "vllm"
+        role = r.get("Role", f"{model}-epp", namespace=ns)
+        assert {"pods", "inferencepools"} <= {res for rule in role["rules"] for res in rule["resources"]}
+    # no router picker port when llm-d picks
+    assert "--ext-proc-port=9002" not in _container(r, "vsurge-router")["args"]
 
 
 # Fields of the upstream CRDs that the chart sets (Prometheus Operator ServiceMonitor, and Google Cloud Managed
@@ -397,7 +499,7 @@ MONITOR_SCHEMAS = {
 
 def test_monitors_valid(rendered: Rendered) -> None:
     monitors = [o for o in rendered.objects if o["kind"] in MONITOR_SCHEMAS]
-    if rendered.name in ("defaults", "gateway"):  # no monitoring asked for
+    if rendered.name in ("defaults", "gateway", "gateway-llmd"):  # no monitoring asked for
         assert monitors == []
         return
     assert monitors
@@ -477,7 +579,8 @@ def test_selectors_match_their_pods(rendered: Rendered) -> None:
 
 def test_pods_are_hardened(rendered: Rendered) -> None:
     specs = _pod_specs(rendered)
-    assert {name for name, _ in specs} == {"vsurge-operator", "vsurge-router"}
+    pickers = {"smollm2-epp", "qwen-epp"} if rendered.name == "gateway-llmd" else set()
+    assert {name for name, _ in specs} == {"vsurge-operator", "vsurge-router"} | pickers
     for name, spec in specs:
         pod = spec["securityContext"]
         assert pod["runAsNonRoot"] is True, name
@@ -495,6 +598,8 @@ def test_pods_are_hardened(rendered: Rendered) -> None:
             requests = container["resources"]["requests"]
             assert requests.get("cpu") and requests.get("memory"), name
             assert "memory" in container["resources"].get("limits", {}), name
+            if name in pickers:  # llm-d's picker writes nothing (its image's own layout)
+                continue
             (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
             assert "emptyDir" in volumes[tmp["name"]], name
             assert container["imagePullPolicy"] in {"Always", "IfNotPresent", "Never"}
@@ -581,8 +686,13 @@ def test_operator_high_availability(renders: dict[str, Rendered]) -> None:
 
 def test_router_arguments(renders: dict[str, Rendered]) -> None:
     c = _container(renders["defaults"], "vsurge-router")
-    assert c["args"] == ["route", "--port=8080"]
+    # a drain as long as the longest model drain (120 s) and more; the tenants' limits split over 2 replicas
+    assert c["args"] == ["route", "--port=8080", "--drain-timeout-seconds=130", "--tenant-limit-replicas=2"]
     assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    # preStop: out of the Service's endpoints before SIGTERM; the grace covers the hook and the drain
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["python", "-c", "import time; time.sleep(5)"]
+    grace = renders["defaults"].get("Deployment", "vsurge-router")["spec"]["template"]["spec"]
+    assert grace["terminationGracePeriodSeconds"] == 150 >= 5 + 130
     assert c["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
     service = renders["defaults"].get("Service", "vsurge-router")
@@ -591,6 +701,8 @@ def test_router_arguments(renders: dict[str, Rendered]) -> None:
     assert _container(renders["namespaced"], "vsurge-router")["args"] == [
         "route",
         "--port=8080",
+        "--drain-timeout-seconds=130",
+        "--tenant-limit-replicas=2",
         "--namespace=team-a",
         "--namespace=team-b",
     ]
@@ -600,6 +712,8 @@ def test_router_arguments(renders: dict[str, Rendered]) -> None:
     assert c["args"] == [
         "route",
         "--port=9090",
+        "--drain-timeout-seconds=160",
+        "--tenant-limit-replicas=3",
         "--static-config=/etc/vsurge/static-config.yaml",
         "--log-level=debug",
     ]
@@ -625,6 +739,10 @@ def test_router_tenants_and_routing(renders: dict[str, Rendered]) -> None:
     assert c["args"] == [
         "route",
         "--port=8080",
+        "--drain-timeout-seconds=130",
+        "--tenant-limit-replicas=2",
+        # the router is the pools' endpoint picker (router.gateway.endpointPicker.type vsurge)
+        "--ext-proc-port=9002",
         "--routing=prefix",
         "--prefix-epsilon=0.5",
         "--api-keys-file=/etc/vsurge-api-keys/api-keys.yaml",
@@ -670,12 +788,14 @@ def test_images(renders: dict[str, Rendered]) -> None:
     app = CHART_META["appVersion"]
     d = renders["defaults"]
     assert _container(d, "vsurge-operator")["image"] == f"ghcr.io/vsurge-stack/vsurge-operator:{app}"
-    assert _container(d, "vsurge-router")["image"] == f"ghcr.io/vsurge-stack/vsurge-service:{app}"
+    # the router's own lean image (docker/router.Dockerfile), not the service image
+    assert _container(d, "vsurge-router")["image"] == f"ghcr.io/vsurge-stack/vsurge-router:{app}"
     a = renders["all-options"]
     digest = a.values["images"]["operator"]["digest"]
     assert _container(a, "vsurge-operator")["image"].endswith(f"/vsurge-operator@{digest}")
-    service_image = "europe-docker.pkg.dev/example/vsurge/vsurge-service:0.1.0-tpu"
-    assert _container(a, "vsurge-router")["image"] == service_image
+    assert (
+        _container(a, "vsurge-router")["image"] == "europe-docker.pkg.dev/example/vsurge/vsurge-router:0.1.0"
+    )
     assert _container(a, "vsurge-router")["imagePullPolicy"] == "Always"
     for name, spec in _pod_specs(a):
         assert spec["imagePullSecrets"] == [{"name": "regcred"}], name
@@ -964,7 +1084,16 @@ def test_schema_describes_every_default(chart: helm_python.Chart) -> None:
             "team-a",
             "instead of the router's Ingress",
         ),
-        ({"router": {"mode": "gateway"}}, "team-a", "renders an InferencePool per model"),
+        (
+            {"router": {"mode": "gateway", "enabled": False}, "operator": {"enabled": True}},
+            "team-a",
+            "the router's endpoint picker",
+        ),
+        (
+            {"router": {"terminationGracePeriodSeconds": 60}},
+            "team-a",
+            "at least router.preStopSeconds + router.drainSeconds",
+        ),
         (
             {
                 "router": {"mode": "gateway", "gateway": {"models": [{"name": "m"}]}},

@@ -168,6 +168,7 @@ def test_alerts_use_exported_metrics(renders: dict[str, Rendered], exported) -> 
         "VSurgeQueueGrowing",
         "VSurgeTTFTHigh",
         "VSurgeOperatorNotReconciling",
+        "VSurgeOperatorNotScraped",
         "VSurgeOperatorReconcileErrors",
         "VSurgeRouterRetryingOften",
         "VSurgeRouterPodUnreachable",

@@ -38,13 +38,19 @@ OPERATOR_RECONCILE = _t(
         ("", "services", "get list watch create patch delete"),
         ("policy", "poddisruptionbudgets", "get list watch create patch delete"),
         ("", "persistentvolumeclaims", "get list watch create patch delete"),  # spec.compileCache.size
-        # a multi-host model's step lane: its Secret made once (read back for its digest), its NetworkPolicy
-        ("", "secrets", "get create"),
+        # every model's NetworkPolicy, and a multi-host model's step-lane policy
         ("networking.k8s.io", "networkpolicies", "get list watch create patch delete"),
+        # router.mode gateway: each model's InferencePool
+        ("inference.networking.k8s.io", "inferencepools", "get list watch create patch delete"),
         ("", "pods", "get list watch"),  # ready pods of a model, to scrape their /metrics
         ("", "events", "create patch"),  # kopf's and the autoscaler's Events
     ]
 )
+# Secrets, never cluster-wide: in each namespace of secretNamespaces (watching all; default the release
+# namespace) or each watched one. The operator creates a model's lane Secret and compile-cache key once and
+# reads back only those it controls; the router reads a model's spec.apiKeySecret by name.
+OPERATOR_SECRETS = _t([("", "secrets", "get create")])
+ROUTER_SECRETS = _t([("", "secrets", "get")])
 # kopf's own needs, cluster-scoped, in every mode (observing CRDs and namespaces appearing).
 OPERATOR_FRAMEWORK = _t(
     [
@@ -150,28 +156,84 @@ def _diff(got: dict[str, Rules], want: dict[str, Rules]) -> str:
     return "\n".join(lines)
 
 
-def expected_operator(watch: list[str]) -> dict[str, Rules]:
+def expected_operator(watch: list[str], secret_namespaces: list[str] = ()) -> dict[str, Rules]:
     if not watch:
-        return {CLUSTER: merge(OPERATOR_FRAMEWORK, OPERATOR_CLUSTER_PEERING, OPERATOR_RECONCILE)}
+        return {CLUSTER: merge(OPERATOR_FRAMEWORK, OPERATOR_CLUSTER_PEERING, OPERATOR_RECONCILE)} | {
+            ns: OPERATOR_SECRETS for ns in secret_namespaces
+        }
     return {CLUSTER: OPERATOR_FRAMEWORK} | {
-        ns: merge(OPERATOR_NAMESPACED_PEERING, OPERATOR_RECONCILE) for ns in watch
+        ns: merge(OPERATOR_NAMESPACED_PEERING, OPERATOR_RECONCILE, OPERATOR_SECRETS) for ns in watch
     }
 
 
-def expected_router(watch: list[str]) -> dict[str, Rules]:
-    return {CLUSTER: ROUTER} if not watch else {ns: ROUTER for ns in watch}
+def expected_router(watch: list[str], secret_namespaces: list[str] = ()) -> dict[str, Rules]:
+    if not watch:
+        return {CLUSTER: ROUTER} | {ns: ROUTER_SECRETS for ns in secret_namespaces}
+    return {ns: merge(ROUTER, ROUTER_SECRETS) for ns in watch}
+
+
+def _secret_namespaces(r: Rendered) -> list[str]:
+    return r.values.get("secretNamespaces") or [r.namespace]
 
 
 def test_operator_rbac_is_the_table(rendered: Rendered) -> None:
     got = effective(rendered, "vsurge-operator")
-    want = expected_operator(rendered.values.get("watchNamespaces", []))
+    want = expected_operator(rendered.values.get("watchNamespaces", []), _secret_namespaces(rendered))
     assert got == want, _diff(got, want)
 
 
 def test_router_rbac_is_the_table(rendered: Rendered) -> None:
     got = effective(rendered, "vsurge-router")
-    want = expected_router(rendered.values.get("watchNamespaces", []))
+    want = expected_router(rendered.values.get("watchNamespaces", []), _secret_namespaces(rendered))
     assert got == want, _diff(got, want)
+
+
+def _cluster_wide_secret_verbs(r: Rendered) -> list[str]:
+    """Every way the rendered RBAC grants a verb on Secrets cluster-wide: a ClusterRole with a secrets
+    rule (bound or not: a RoleBinding to it is the only safe use, and the chart needs none), and any
+    ServiceAccount's effective cluster scope."""
+    found = []
+    for role in r.of_kind("ClusterRole"):
+        verbs = rules_of(role).get(("", "secrets"))
+        if verbs:
+            found.append(f"ClusterRole {role['metadata']['name']}: {sorted(verbs)}")
+    for deployment in r.of_kind("Deployment"):
+        sa = deployment["spec"]["template"]["spec"].get("serviceAccountName")
+        if deployment["metadata"]["namespace"] != r.namespace or not sa:
+            continue
+        if not any(s["metadata"]["name"] == sa for s in r.of_kind("ServiceAccount")):
+            continue
+        scope = effective(r, deployment["metadata"]["name"]).get(CLUSTER, {})
+        if scope.get(("", "secrets")):
+            found.append(f"{deployment['metadata']['name']} cluster-wide: {sorted(scope[('', 'secrets')])}")
+    return found
+
+
+def test_no_cluster_wide_secret_verb(rendered: Rendered) -> None:
+    """Issue 53: the operator (and the router) touch Secrets only in namespaces named for it, through
+    Roles; cluster-wide mode grants no secret verb at all."""
+    assert _cluster_wide_secret_verbs(rendered) == []
+    roles = [
+        role
+        for role in rendered.of_kind("Role")
+        if rules_of(role).get(("", "secrets")) and role["metadata"]["name"].endswith("-secrets")
+    ]
+    expected = set(rendered.values.get("watchNamespaces") or _secret_namespaces(rendered))
+    assert {role["metadata"]["namespace"] for role in roles} == expected
+
+
+def test_the_secret_check_sees_a_cluster_wide_grant(renders: dict[str, Rendered]) -> None:
+    """Control: a secrets rule put back into the operator's ClusterRole is reported."""
+    r = renders["defaults"]
+    role = r.get("ClusterRole", "vsurge-operator")
+    role["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]})
+    try:
+        assert _cluster_wide_secret_verbs(r) == [
+            "ClusterRole vsurge-operator: ['get']",
+            "vsurge-operator cluster-wide: ['get']",
+        ]
+    finally:
+        role["rules"].pop()
 
 
 def test_user_roles_aggregate_into_the_builtin_roles(renders: dict[str, Rendered]) -> None:
@@ -223,8 +285,9 @@ def test_the_comparison_sees_an_extra_verb(renders: dict[str, Rendered]) -> None
     role["rules"].append({"apiGroups": [""], "resources": ["pods"], "verbs": ["delete"]})
     try:
         got = effective(r, "vsurge-operator")
-        assert got != expected_operator([])
-        assert "granted but not needed ['delete']" in _diff(got, expected_operator([]))
+        want = expected_operator([], ["vsurge-system"])
+        assert got != want
+        assert "granted but not needed ['delete']" in _diff(got, want)
     finally:
         role["rules"].pop()
 

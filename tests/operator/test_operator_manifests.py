@@ -65,8 +65,20 @@ def test_objects_pass_the_kubernetes_schemas(name):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_owner_labels_and_selectors_are_consistent(name):
     m = MODELS[name]
-    workload, svc, pdb, *lane_objects = manifests.desired_objects(m)
+    workload, svc, pdb, *rest = manifests.desired_objects(m)
+    groups = [o for o in rest if o["kind"] == "PodDisruptionBudget"]
+    lane_objects = [o for o in rest if o["kind"] != "PodDisruptionBudget"]
     assert [o["kind"] for o in lane_objects] == (["NetworkPolicy"] if m.multi_host else [])
+    # a multi-host model: one budget per LeaderWorkerSet group, selecting that group's pods only
+    assert [g["metadata"]["name"] for g in groups] == (
+        [f"llama-group-{i}" for i in range(m.desired_replicas())] if m.multi_host else []
+    )
+    for i, g in enumerate(groups):
+        assert g["spec"]["selector"]["matchLabels"] == {
+            **manifests.selector_labels(m),
+            "leaderworkerset.sigs.k8s.io/group-index": str(i),
+        }
+        assert g["spec"]["maxUnavailable"] == 1
     owner = {
         "apiVersion": "vsurge.io/v1alpha1",
         "kind": "InferenceModel",
@@ -141,7 +153,7 @@ def test_multi_host_leader_worker_set():
     assert "readinessProbe" in t["leaderTemplate"]["spec"]["containers"][0]
     assert "readinessProbe" not in t["workerTemplate"]["spec"]["containers"][0]
     assert manifests.service(m)["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
-    assert manifests.pod_disruption_budget(m)["spec"]["maxUnavailable"] == 4
+    assert manifests.pod_disruption_budget(m)["spec"]["maxUnavailable"] == 1
 
 
 def test_pvc_source_is_mounted_read_only():

@@ -262,7 +262,9 @@ def test_surge_and_max_unavailable_both_zero_is_refused():
 
 
 def test_compile_cache_created_claim_is_owned_and_mounted_at_the_jax_cache():
-    m = model(compileCache={"size": "20Gi", "storageClassName": "filestore"})
+    # ReadWriteMany: one claim shared by the pods (ReadWriteOnce, the default, is a claim per pod:
+    # test_operator_gateway_access.py)
+    m = model(compileCache={"size": "20Gi", "storageClassName": "filestore", "accessMode": "ReadWriteMany"})
     objects = manifests.desired_objects(m)
     assert [o["kind"] for o in objects] == [
         "Deployment",

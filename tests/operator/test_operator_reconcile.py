@@ -137,8 +137,11 @@ def test_workload_kind_switch_removes_the_old_one(cluster, namespace, api):
     assert cluster.obj("leaderworkerset.x-k8s.io/v1/leaderworkersets", namespace, "m")
     api.patch(kube.INFERENCE_MODEL, namespace, "m", {"spec": {"tpu": {"topology": "2x2x1"}}})
     out = r.reconcile(cluster.obj(IM, namespace, "m"))
-    # one host: no step lane (its NetworkPolicy goes; its Secret stays, unused, until the model does)
-    assert out.removed == ["LeaderWorkerSet", "NetworkPolicy"] and events.reasons()[-1] == "Deleted"
+    # one host: no step lane (its NetworkPolicy goes; its Secret stays until the model does), no group budgets
+    assert (
+        out.removed == ["LeaderWorkerSet", "NetworkPolicy", "PodDisruptionBudget"]
+        and events.reasons()[-1] == "Deleted"
+    )
     assert cluster.obj("leaderworkerset.x-k8s.io/v1/leaderworkersets", namespace, "m") is None
     assert cluster.obj("apps/v1/deployments", namespace, "m")
 

@@ -128,6 +128,20 @@ def test_token_buckets_refill_and_say_when() -> None:
     assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-limit-tokens"] == "120"
 
 
+def test_limits_are_split_over_the_router_replicas() -> None:
+    """--tenant-limit-replicas N: each replica enforces 1/N of every limit, so N replicas behind a Service
+    admit the limit together, not N times it."""
+    now = [0.0]
+    t = Tenant("t", requests_per_second=4, burst=8, tokens_per_minute=1200)
+    replicas = [RateLimiter(clock=lambda: now[0], replicas=2) for _ in range(2)]
+    admitted = sum(1 for _ in range(10) for r in replicas if r.admit(t) is None)
+    assert admitted == 8  # the burst, over both replicas
+    now[0] += 1.0  # one second: 4 more requests in all, 2 per replica
+    assert sum(1 for _ in range(10) for r in replicas if r.admit(t) is None) == 4
+    headers = replicas[0].headers(t)
+    assert headers["x-ratelimit-limit-requests"] == "4" and headers["x-ratelimit-limit-tokens"] == "600"
+
+
 # ------------------------------------------------------------------------------------------- live
 
 

@@ -187,14 +187,14 @@ Operator RBAC, one rule per (apiGroup, resource) so that it reads as the table t
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# A multi-host model's step lane (operator/vsurge_operator/lane.py): its Secret, created once and read
-# back only for its digest (never updated, never deleted: garbage-collected with the model), and the
-# NetworkPolicy that keeps other pods off the lane.
-- apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get", "create"]
+# The models' NetworkPolicies (access.py) and a multi-host model's step lane policy (lane.py). Secrets
+# are not here: templates/secrets-rbac.yaml grants them per namespace, never cluster-wide.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# spec.gateway: the model's InferencePool (gateway.py).
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The autoscaler finds the ready pods of a model to scrape their /metrics.
 - apiGroups: [""]
@@ -204,6 +204,28 @@ Operator RBAC, one rule per (apiGroup, resource) so that it reads as the table t
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- end }}
+
+{{/* Secrets, in a namespaced Role only (templates/secrets-rbac.yaml): the operator creates a model's lane
+Secret and compile-cache key once and reads back only those it created (model_secrets.py, lane.py: never
+list, watch, update or delete; they go with their model); the router reads a model's spec.apiKeySecret by
+name (get only). */}}
+{{- define "vsurge.operator.secretRules" -}}
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+{{- end }}
+
+{{- define "vsurge.router.secretRules" -}}
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
+{{- end }}
+
+{{/* The namespaces where Secrets are granted: the watched ones, or secretNamespaces when watching all
+(default: the release namespace). */}}
+{{- define "vsurge.secretNamespaces" -}}
+{{- if .Values.watchNamespaces }}{{ join "," .Values.watchNamespaces }}{{ else }}{{ join "," (.Values.secretNamespaces | default (list .Release.Namespace)) }}{{ end }}
 {{- end }}
 
 {{/* kopf's peering: namespaced KopfPeerings when watching listed namespaces. */}}
@@ -271,8 +293,11 @@ Checks of values that the schema cannot express. Rendered from templates/validat
 {{- if and (eq .Values.router.mode "gateway") .Values.router.ingress.enabled }}
 {{- fail "router.mode gateway routes clients through your Gateway instead of the router's Ingress: set router.ingress.enabled to false" }}
 {{- end }}
-{{- if and (eq .Values.router.mode "gateway") (not .Values.models) (not .Values.router.gateway.models) }}
-{{- fail "router.mode gateway renders an InferencePool per model: list models, or router.gateway.models" }}
+{{- if and (eq .Values.router.mode "gateway") (eq .Values.router.gateway.endpointPicker.type "vsurge") (not .Values.router.enabled) }}
+{{- fail "router.gateway.endpointPicker.type vsurge is the router's endpoint picker: set router.enabled, or use type llm-d" }}
+{{- end }}
+{{- if lt (int .Values.router.terminationGracePeriodSeconds) (add .Values.router.drainSeconds .Values.router.preStopSeconds) }}
+{{- fail (printf "router.terminationGracePeriodSeconds (%v) must be at least router.preStopSeconds + router.drainSeconds (%v)" .Values.router.terminationGracePeriodSeconds (add .Values.router.drainSeconds .Values.router.preStopSeconds)) }}
 {{- end }}
 {{- $pools := list }}
 {{- range .Values.models }}{{ $pools = append $pools (printf "%s/%s" $.Release.Namespace .name) }}{{ end }}
@@ -283,4 +308,14 @@ Checks of values that the schema cannot express. Rendered from templates/validat
 {{- end }}
 {{- $pools = append $pools $key }}
 {{- end }}
+{{- end }}
+
+{{/*
+The endpoint picker Service the InferencePools name: router.gateway.endpointPicker.name, else
+`<release>-epp` (the router's picker) or `{model}-epp` (llm-d's, one per model; the operator puts the
+model's name in place of {model}).
+*/}}
+{{- define "vsurge.epp.name" -}}
+{{- $ep := .Values.router.gateway.endpointPicker }}
+{{- if $ep.name }}{{ $ep.name }}{{ else if eq $ep.type "llm-d" }}{model}-epp{{ else }}{{ printf "%s-epp" (include "vsurge.fullname" .) | trunc 63 | trimSuffix "-" }}{{ end }}
 {{- end }}

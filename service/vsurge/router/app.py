@@ -3,7 +3,8 @@
 Routes:
 - `GET /v1/models`, `GET /v1/models/{id}`: every model the table knows (ready or asleep), OpenAI-shaped
   (with tenants: the caller's models only);
-- `POST /v1/chat/completions`, `/v1/completions`, `/v1/count_tokens`, `/tokenize`, `/detokenize`: by the
+- `POST /v1/chat/completions`, `/v1/completions`, `/v1/count_tokens`, `/tokenize`, `/detokenize`, and
+  `/v1/responses`, `/v1/messages[/count_tokens]`, `/v1/embeddings`, `/pooling`, the `/render` routes: by the
   body's `model`, to the pod the routing policy picks (waking the model first if it has none);
 - `GET /liveness` (always 200), `GET /readiness` (200 once every discovery source has reported once);
 - `GET /metrics`: the router's Prometheus metrics.
@@ -52,7 +53,23 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/count_tokens", "/tokenize", "/detokenize")
+PROXIED_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/count_tokens",
+    "/tokenize",
+    "/detokenize",
+    # the APIs over the same generation (OpenAI Responses, Anthropic Messages), embeddings, the gateway's
+    # renders; all carry `model` in the body. A stored response's GET/DELETE/cancel has no body: it is
+    # asked of the pod that holds it, not through the router (docs/api.md).
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
+    "/pooling",
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+)
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"; only ever seen in metrics
 
 
@@ -466,7 +483,7 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
         metrics,
         max_body_bytes=cfg.max_body_bytes,
         retry_after_seconds=cfg.retry_after_seconds,
-        gate=Gate(keys, RateLimiter(), metrics),
+        gate=Gate(keys, RateLimiter(replicas=cfg.tenant_limit_replicas), metrics),
         tracing=tracing,
         prefix_block_bytes=cfg.prefix_block_bytes,
         upstream_keys=keys_of_models,

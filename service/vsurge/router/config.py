@@ -45,6 +45,7 @@ class RouterConfig:
     endpoint_slices: bool = True
     api_keys_file: str | None = None
     api_keys_reload_seconds: float = 5.0
+    tenant_limit_replicas: int = 1  # each replica enforces 1/N of every tenant limit (ratelimit.py)
     ext_proc_port: int = 0  # 0: no endpoint picker (extproc.py)
     ext_proc_fallbacks: int = 2
 
@@ -209,6 +210,13 @@ OPTIONS: tuple[Option, ...] = (
         "FILE",
     ),
     Option("--api-keys-reload-seconds", _float(0), "how often the API keys file is re-read (0: never)", "S"),
+    Option(
+        "--tenant-limit-replicas",
+        _int(1),
+        "router replicas the tenants' limits are split over: each replica enforces 1/N of every limit "
+        "(the chart sets router.replicas)",
+        "N",
+    ),
     Option(
         "--ext-proc-port",
         _int(0, 65535),

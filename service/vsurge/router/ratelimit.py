@@ -6,9 +6,12 @@ Tokens: a bucket of `tokensPerMinute` refilled at that rate, charged after the a
 request is admitted while the bucket is not empty, so one large answer can drive it below zero; the next
 requests then wait until it has refilled above zero. Refusals say when to come back (`Retry-After`).
 
-Buckets live per tenant in one router replica: with N routers behind a Service, a tenant gets up to N
-times its limits (the usual trade-off of local limiters; a shared store would put a network call in
-every request's path).
+Buckets live per tenant in one router replica. With N routers behind a Service, each enforces 1/N of
+every limit (`--tenant-limit-replicas N`, which the chart sets to `router.replicas`): the Service spreads
+a tenant's connections over the replicas, so together they admit about the limit, never more than it. A
+tenant whose traffic lands unevenly (few long-lived connections) gets less than the limit; a shared store
+would lift that at the cost of a network call in every request's path. Without the flag (N = 1) a tenant
+gets up to N times its limits.
 """
 
 from __future__ import annotations
@@ -62,8 +65,9 @@ def _same_limits(a: Tenant, b: Tenant) -> bool:
 
 
 class RateLimiter:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, replicas: int = 1) -> None:
         self.clock = clock
+        self.share = 1.0 / max(1, replicas)  # this replica's part of every limit
         self._buckets: dict[str, _TenantBuckets] = {}
 
     def _for(self, tenant: Tenant) -> _TenantBuckets:
@@ -74,12 +78,12 @@ class RateLimiter:
         now = self.clock()
         requests = tokens = None
         if tenant.requests_per_second:
-            burst = tenant.burst or max(1.0, tenant.requests_per_second)
-            requests = TokenBucket(tenant.requests_per_second, burst, burst, now)
+            rate = tenant.requests_per_second * self.share
+            burst = max(1.0, (tenant.burst or max(1.0, tenant.requests_per_second)) * self.share)
+            requests = TokenBucket(rate, burst, burst, now)
         if tenant.tokens_per_minute:
-            tokens = TokenBucket(
-                tenant.tokens_per_minute / 60.0, tenant.tokens_per_minute, tenant.tokens_per_minute, now
-            )
+            per_minute = tenant.tokens_per_minute * self.share
+            tokens = TokenBucket(per_minute / 60.0, per_minute, per_minute, now)
         b = self._buckets[tenant.name] = _TenantBuckets(tenant, requests, tokens)
         return b
 
