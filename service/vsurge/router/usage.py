@@ -37,9 +37,19 @@ def usage_of(obj: Any) -> Usage | None:
     if not isinstance(obj, dict):
         return None
     u = obj.get("usage")
+    for inner in (
+        "response",
+        "message",
+    ):  # a Responses event's response, an Anthropic message_start's message
+        if not isinstance(u, dict) and isinstance(obj.get(inner), dict):
+            u = obj[inner].get("usage")
     if not isinstance(u, dict):
         return None
-    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+    # OpenAI's chat / completions / embeddings names, or the Responses and Anthropic Messages ones
+    p = u.get("prompt_tokens", u.get("input_tokens"))
+    c = u.get("completion_tokens", u.get("output_tokens"))
+    if isinstance(p, int) and isinstance(u.get("cache_read_input_tokens"), int):
+        p += u["cache_read_input_tokens"]  # Anthropic counts cached prompt tokens apart
     if not isinstance(p, int) or isinstance(p, bool):
         return None
     return Usage(max(0, p), c if isinstance(c, int) and not isinstance(c, bool) and c > 0 else 0)

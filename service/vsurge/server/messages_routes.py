@@ -141,7 +141,7 @@ class MessagesRoutes:
             out += event(
                 "message_delta",
                 delta={"stop_reason": stop[0], "stop_sequence": stop[1]},
-                usage={"output_tokens": outcome.completion_tokens},
+                usage=anthropic_usage(outcome),  # the whole usage, as Anthropic's own streams end
             )
             yield out + event("message_stop")
 
