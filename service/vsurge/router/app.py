@@ -435,13 +435,11 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
     # No read timeout: a non-streamed generation may take minutes; the client's own timeout applies, and
     # its disconnect cancels the upstream request. trust_env=False: proxy variables must not reroute
     # in-cluster traffic.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30)
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=cfg.connect_timeout_seconds),
-        limits=limits,
+        **uds.pool(),  # its limits, on TCP and on upstreams' Unix sockets (unix:///path) alike
         trust_env=False,
         follow_redirects=False,
-        mounts=uds.mounts(limits=limits),  # upstreams on a Unix socket (unix:///path)
     )
     clients: list[httpx.AsyncClient] = []
     tracker = LoadTracker(cfg.eject_seconds)
@@ -451,9 +449,8 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
         # the pods' own reports (/load, /v1/models, the LoRA gauge): short timeouts, one pool for both
         poll_client = httpx.AsyncClient(
             timeout=httpx.Timeout(1.0, connect=min(1.0, cfg.connect_timeout_seconds)),
-            limits=limits,
+            **uds.pool(),
             trust_env=False,
-            mounts=uds.mounts(limits=limits),
         )
         clients.append(poll_client)
         if cfg.load_poll_seconds > 0:

@@ -61,3 +61,10 @@ def mounts(**transport_kw: object) -> dict[str, httpx.AsyncBaseTransport]:
     """The ``mounts=`` of a router client that also reaches socket upstreams (``transport_kw``: the
     pool's, e.g. ``limits=``, as the client's own transport has them)."""
     return {f"{SCHEME}://": UnixSocketTransport(**transport_kw)}
+
+
+def pool() -> dict[str, object]:
+    """A router client's ``limits=`` and ``mounts=``: no cap on connections, 256 kept alive for 30 s, on TCP
+    and on every socket upstream alike."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30)
+    return {"limits": limits, "mounts": mounts(limits=limits)}
