@@ -10,6 +10,10 @@
     python benchmarks/serving.py --base-url http://127.0.0.1:11556/v1 --preset mixed-32
     # the same workload against vsurge (both drivers), vLLM CPU and llama.cpp, one at a time, one table:
     PEERS=$HOME/peers python benchmarks/serving.py --peers --preset mixed-32   # peers installed under $PEERS
+    # vsurge serve with its own defaults on a Unix socket (no TCP: the TPU machine), the official openai
+    # client, prompts of prose: a Poisson rate sweep and 2 x slots in flight, the engine-only run beside
+    # it, a peer with --peer-cmd (serving_sweep.py):
+    python benchmarks/serving.py --serve --model default --rates 1,2,4,inf --num-requests 64 --out-dir out
 
 Per request: TTFT (send -> first content chunk), TPOT = (latency - TTFT) / (output tokens - 1), ITL (gaps
 between content chunks), end-to-end latency; reported as mean / p50 / p99, with request throughput and
@@ -35,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # siblings, run 
 from serving_client import build_surge, http_run, inprocess_run, run_schedule  # noqa: E402, F401
 from serving_peers import _peers_module, peers_run  # noqa: E402, F401
 from serving_report import RequestResult, _fmt, _stats, summarize  # noqa: E402, F401
+from serving_sweep import add_sweep_arguments, run_sweep, table  # noqa: E402
+from serving_uds import prose_jobs  # noqa: E402, F401
 from serving_workloads import PRESETS, WORDS, Job, Preset, as_jobs, make_jobs, make_prompts  # noqa: E402, F401
 
 # ------------------------------------------------------------------------------------------ compare
@@ -156,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-args", default="", help="extra `llama-server` arguments (one string)")
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a peer may take to start")
     p.add_argument("--peers-log-dir", default=None, help="where peers' logs go (default: a temp dir)")
+    add_sweep_arguments(p)
     args = p.parse_args(argv)
     if args.preset:
         preset = PRESETS[args.preset]
@@ -184,6 +191,11 @@ def workload(args: argparse.Namespace) -> list[Job]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.serve:
+        args.ignore_eos = True  # every server generates exactly what was asked: runs stay comparable
+        out = run_sweep(args)
+        print(json.dumps(out, indent=2, default=str) if args.json else table(out))
+        return 0 if any(r["completed"] for s in out["servers"] for r in s["rows"]) else 1
     prompts = workload(args)
     if args.peers:
         # SIGTERM unwinds like Ctrl-C, so the peer in flight is stopped (it runs in its own session)

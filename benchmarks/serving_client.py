@@ -165,13 +165,11 @@ def build_surge(args: argparse.Namespace) -> Any:
     return surge
 
 
-async def inprocess_run(
-    surge: Any, args: argparse.Namespace, prompts: list[str] | list[Job]
-) -> tuple[list[RequestResult], float]:
+def inprocess_caller(surge: Any, args: argparse.Namespace) -> Any:
+    """`one(job) -> RequestResult` through `vSurge.complete`, timed as the HTTP client times a stream (the
+    chat endpoint's prompt through the model's chat template, as the server would apply it)."""
     from vsurge.request import vSurgeRequest
     from vsurge.sampling_params import SamplingParams
-
-    jobs = as_jobs(prompts)
 
     def params(job: Job) -> SamplingParams:
         return SamplingParams(
@@ -212,6 +210,14 @@ async def inprocess_run(
             res.error = f"{type(e).__name__}: {e}"[:200]
         return res
 
+    return one
+
+
+async def inprocess_run(
+    surge: Any, args: argparse.Namespace, prompts: list[str] | list[Job]
+) -> tuple[list[RequestResult], float]:
+    jobs = as_jobs(prompts)
+    one = inprocess_caller(surge, args)
     for j in jobs[: args.warmup]:
         await one(Job(j.prompt, min(j.max_tokens or args.max_tokens, 8)))
     return await run_schedule(one, jobs, args.concurrency, args.request_rate, args.seed)

@@ -80,6 +80,8 @@ SLOW: dict[str, str] = {
     "tests/service/test_tpu_export.py::test_each_kind_of_program_lowers_for_tpu[smollm2-135m-odriver-1chips]": "8 s",
     "tests/service/test_seed_server.py::test_fire_with_metrics_port_minus_one_serves_no_metrics": "7 s",
     "tests/test_jax_cache_repair.py::test_a_write_without_the_limit_stops_the_cache_until_repaired": "9 s: two JAX processes",
+    "tests/server/test_server_benchmarks.py::test_serve_sweep_over_a_unix_socket_with_a_peer_and_the_engine_only_run": "61 s: "
+    "two `vsurge serve` starts and the in-process engine, each running the sweep's three workloads",
 }
 
 

@@ -6,9 +6,10 @@ import asyncio
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import pytest
-from server_helpers import MODEL
+from server_helpers import MAX_LENGTH, MODEL, PREFILL_LENGTHS
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 
@@ -81,3 +82,44 @@ def test_short_soak(server):
     assert report["counts"].get("disconnected", 0) > 0 and report["counts"].get("completed", 0) > 0, report
     assert set(report["malformed_statuses"]) <= {"400", "404", "413"}, report
     assert report["ok"], report
+
+
+def test_serve_sweep_over_a_unix_socket_with_a_peer_and_the_engine_only_run(tiny_dir, tmp_path):
+    """`serving.py --serve`: vsurge serve started on a Unix socket, the official openai client streaming
+    prose through it at two Poisson rates and a fixed concurrency, a peer (here vsurge itself, started by
+    --peer-cmd) on its own socket, then the same jobs in-process; every number of the table measured."""
+    serving = load("serving")
+    flags = f"--max-length {MAX_LENGTH} --prefill-lengths {','.join(map(str, PREFILL_LENGTHS))} --max-concurrent-decodes 4"
+    peer = "{python} -m vsurge.cli serve --model {model} --uds {uds} --log-level warning " + flags
+    args = serving.parse_args(
+        ["--serve", "--model", tiny_dir, "--vsurge-args", flags, "--rates", "40,inf", "--num-requests", "8",
+         "--prose-words", "8,24", "--output-tokens", "4,12", "--sweep-concurrency", "6", "--seed", "3",
+         "--peer-cmd", peer, "--peer-name", "peer", "--ready-timeout", "300", "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    out = serving.run_sweep(args)
+    jobs = serving.prose_jobs(8, (8, 24), (4, 12), 3)
+    want_tokens = sum(j.max_tokens for j in jobs)
+    prose = Path(BENCH, "data", "prose.txt").read_text()
+    assert all(set(j.prompt.split("\n\n", 1)[1].split()) <= set(prose.split()) for j in jobs)  # real prose
+    vs, pe = out["servers"]
+    assert (vs["server"], pe["server"]) == ("vsurge", "peer") and vs["slots"] == 4
+    assert vs["exit"] == 0 and pe["exit"] == 0  # SIGTERM: drained and exited cleanly
+    eng = out["engine_only"]
+    assert eng["slots"] == 4  # serve's own resolution of the same flags
+    for srv in (vs, pe, eng):
+        assert [r["workload"] for r in srv["rows"]] == ["rate 40/s", "rate inf/s", "6 in flight"]
+        for r in srv["rows"]:
+            assert r["completed"] == 8 and r["failed"] == 0 and r["cancelled"] == 0, r
+            assert r["output_tokens"] == want_tokens  # ignore_eos: exactly what was asked
+            assert r["prompt_tokens"] > sum(j.prompt_words for j in jobs)  # prose through the chat template
+            assert (
+                r["output_token_throughput"] > 0
+                and r["total_token_throughput"] > r["output_token_throughput"]
+            )
+            assert r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["itl_s"]["p99"] is not None
+            assert 0 < r["goodput_rps"] <= r["request_throughput"] + 1e-9
+            assert r["cpu_s"] > 0  # the server tree's CPU (this process's, engine-only)
+    table = (tmp_path / "sweep.md").read_text()
+    assert table.count("| vsurge |") == 3 and table.count("| peer |") == 3
+    row = next(line for line in table.splitlines() if line.startswith("| vsurge | rate inf/s"))
+    assert row.count("|") == 16 and "|  |" not in row  # the engine-only figures and both ratios beside it
