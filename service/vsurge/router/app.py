@@ -53,23 +53,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PROXIED_PATHS = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/count_tokens",
-    "/tokenize",
-    "/detokenize",
-    # the APIs over the same generation (OpenAI Responses, Anthropic Messages), embeddings, the gateway's
-    # renders; all carry `model` in the body. A stored response's GET/DELETE/cancel has no body: it is
-    # asked of the pod that holds it, not through the router (docs/api.md).
-    "/v1/responses",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-    "/v1/embeddings",
-    "/pooling",
-    "/v1/chat/completions/render",
-    "/v1/completions/render",
-)
+_GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/count_tokens", "/tokenize", "/detokenize")
+# the other APIs over the same engine, and the gateway's renders; all carry `model` in the body. A stored
+# response's GET/DELETE/cancel has no body: it is asked of the pod that holds it (docs/api.md).
+_APIS = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings", "/pooling")
+PROXIED_PATHS = _GENERATION + _APIS + ("/v1/chat/completions/render", "/v1/completions/render")
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"; only ever seen in metrics
 
 
