@@ -115,6 +115,7 @@ SCENARIOS = {
     "all-options": ("all-options-values.yaml", "vsurge-system"),
     "namespaced": ("namespaced-values.yaml", "team-a"),
     "gateway": ("gateway-values.yaml", "vsurge-system"),
+    "gateway-llmd": ("gateway-llmd-values.yaml", "vsurge-system"),
 }
 
 
