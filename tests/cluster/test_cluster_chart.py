@@ -212,11 +212,34 @@ def test_gateway_objects_are_stored_and_checked_by_the_released_crds(k8s, stand_
     sys.path.insert(0, str(REPO / "tests" / "helm"))
     from chartkit import load_values
 
+    from vsurge_operator import gateway, spec
+    from vsurge_operator.config import OperatorConfig
+    from vsurge_operator.reconcile import Reconciler
+
     rendered = render_chart(load_values("gateway-values.yaml"), "vsurge-system")
     api_client = k8s.api_client()
     admin = k8s.kube()
     created = []
-    for obj in rendered.objects:
+    # the pools are the operator's (one per InferenceModel), with the settings the chart gives it
+    (operator,) = [
+        o
+        for o in rendered.objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "vsurge-operator"
+    ]
+    env = {
+        e["name"]: e.get("value")
+        for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "value" in e
+    }
+    _, defaults = Reconciler(None, OperatorConfig.from_env(env)).surroundings()
+    pools = []
+    for route in rendered.of_kind("HTTPRoute"):
+        meta = {"name": route["metadata"]["name"], "namespace": route["metadata"]["namespace"], "uid": "u"}
+        model = spec.parse({"metadata": meta, "spec": {"model": {"source": "default"}}}, default_image="img")
+        pool = gateway.inference_pool(model, defaults)
+        del pool["metadata"]["ownerReferences"]  # no InferenceModel of that uid here
+        pools.append(pool)
+    for obj in [*rendered.objects, *pools]:
         if obj["kind"] not in ("InferencePool", "HTTPRoute"):
             continue
         ensure_namespace(admin, obj["metadata"]["namespace"])
