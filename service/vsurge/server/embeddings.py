@@ -173,6 +173,8 @@ class EmbeddingRoutes:
             entry = self._model(data.get("model") if isinstance(data.get("model"), str) else None)
             call.model = entry.name
             plan = parse_embeddings(data, vocab_size=entry.vocab_size, max_length=entry.max_length)
+            if entry.parent is not None:  # the pooling program runs the base weights: no adapter's
+                raise unsupported_field("model", f"'{entry.name}' is a LoRA adapter; embeddings use base models")
             if not hasattr(entry.surge, "pooler"):
                 raise unsupported_field("model", "this engine serves no embeddings")
             try:
