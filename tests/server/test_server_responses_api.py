@@ -248,3 +248,26 @@ def test_store_is_bounded_and_expires():
     assert store.get("r0") is None and store.get("r2") is not None and len(store) == 2
     now[0] = 11
     assert store.get("r2") is None
+
+
+def test_a_stream_left_mid_way_is_stored_incomplete(server, http):
+    body = {"model": "tiny", "input": "long", "max_output_tokens": 150, "temperature": 0, "stream": True}
+    rid = None
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and rid is None:
+                rid = json.loads(line[5:])["response"]["id"]
+            if "output_text.delta" in line:
+                break  # leave while it still generates
+    store = server.api.responses_store
+
+    def ended():
+        entry = store.get(rid)
+        return entry is not None and entry.cancel is None and entry.response["status"] != "in_progress"
+
+    deadline = time.monotonic() + 20
+    while not ended() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = store.get(rid).response
+    # not the length cut (also "incomplete"): nothing was finished, so no output was stored
+    assert left["status"] == "incomplete" and left["output"] == []

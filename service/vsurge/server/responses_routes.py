@@ -27,7 +27,7 @@ from .responses_shapes import (
     responses_usage,
 )
 from .responses_store import StoredResponse
-from .streams import SSEResponse
+from .streams import ClientDisconnected, SSEResponse
 from .wire import dumps
 
 
@@ -39,6 +39,13 @@ def _not_found(response_id: str) -> APIError:
     return APIError(
         404, f"Response with id '{response_id}' not found.", param="response_id", code="response_not_found"
     )
+
+
+def _end(record: StoredResponse, status: str, err: APIError | None = None) -> None:
+    """A stored response that ended without its output: no longer running, with why."""
+    record.cancel = None
+    error = {"code": err.code or "server_error", "message": err.message} if err is not None else None
+    record.response = {**record.response, "status": status, "error": error}
 
 
 class ResponsesRoutes:
@@ -87,10 +94,13 @@ class ResponsesRoutes:
             except asyncio.CancelledError:
                 if not cancelled:
                     raise
-                record.cancel = None
-                record.response = {**record.response, "status": "cancelled"}
+                _end(record, "cancelled")
                 call.close(200)
                 return _json(record.response)
+            except BaseException as exc:
+                gone = isinstance(exc, ClientDisconnected)  # it stopped with its client, not failed
+                _end(record, "incomplete" if gone else "failed", None if gone else errors.from_exception(exc))
+                raise
             obj = self._finish_record(record, rplan, entry, rid, created, outcome, item_id("msg"))
             call.close(
                 200,
@@ -172,7 +182,7 @@ class ResponsesRoutes:
             except Exception as exc:  # after the 200, an error can only travel in-band
                 err = errors.from_exception(exc)
                 state["error"] = err
-                record.cancel = None
+                _end(record, "failed", err)
                 yield writer.event("error", code=err.code, message=err.message, param=err.param)
                 return
             if col is None:
@@ -196,8 +206,8 @@ class ResponsesRoutes:
 
         async def cleanup(disconnected: bool) -> None:
             await deltas.aclose()  # cancels the engine request if it still runs
-            if record.cancel is not None:
-                record.cancel = None  # the client left mid-stream: nothing runs any more
+            if record.cancel is not None:  # the client left mid-stream: nothing runs any more
+                _end(record, "incomplete")
             err = state.get("error")
             outcome = state.get("outcome")
             finish: dict[str, Any] = {"response_id": rid, "response_model": entry.name, "metadata": metadata}
