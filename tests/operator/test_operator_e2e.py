@@ -251,7 +251,11 @@ def test_multi_host_topology_gets_a_leader_worker_set(cluster, namespace, api, s
     assert "readinessProbe" in template["leaderTemplate"]["spec"]["containers"][0]
     assert "readinessProbe" not in template["workerTemplate"]["spec"]["containers"][0]
     assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
-    assert pdb["spec"]["maxUnavailable"] == 4
+    # one pod of the model at a time, and a budget per group (disruption.py)
+    assert pdb["spec"]["maxUnavailable"] == 1
+    for i in range(2):
+        group = wait_for(lambda i=i: cluster.obj(PDB, namespace, f"big-group-{i}"), message="group budget")
+        assert group["spec"]["selector"]["matchLabels"]["leaderworkerset.sigs.k8s.io/group-index"] == str(i)
     _status_where(
         cluster, namespace, "big", lambda o: o.get("status", {}).get("workloadKind") == "LeaderWorkerSet"
     )
