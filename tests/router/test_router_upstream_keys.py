@@ -99,3 +99,26 @@ def test_prefix_index_forgets_a_pod_when_its_endpoint_goes(upstreams, start_rout
     )
     wait_for(lambda: holder not in indexed(), timeout=10, what="the index forgets the pod")
     assert indexed() == set()
+
+
+def test_the_endpoint_picker_wakes_a_model_at_zero(cluster, start_router) -> None:
+    """Scale from zero in gateway mode: no ready pod is an immediate 503 with Retry-After (the proxy does
+    not hold the request), and the model's scale goes to 1 (once), so the client's retry finds a pod."""
+    from vsurge_operator import kube
+
+    api = cluster.client()
+    api.create(kube.INFERENCE_MODEL, "models", inference_model("sleepy", replicas=0))
+    port = free_port()
+    router = start_router(api_client=cluster.api_client(), kubernetes=True, ext_proc_port=port)
+    wait_for(lambda: httpx.get(f"{router.url}/readiness", timeout=5).status_code == 200, what="router ready")
+    proxy = Proxy(port)
+    try:
+        for _ in range(3):
+            answer = proxy.pick({"model": "sleepy", "messages": [{"role": "user", "content": "hi"}]})
+            assert answer["status"] == 503 and answer["body"]["error"]["code"] == "no_upstreams"
+    finally:
+        proxy.close()
+    im = "vsurge.io/v1alpha1/inferencemodels"
+    wait_for(lambda: (cluster.obj(im, "models", "sleepy") or {})["spec"].get("replicas") == 1, what="woken")
+    patches = cluster.requests(method="PATCH", plural="inferencemodels", subresource="scale")
+    assert len(patches) == 1

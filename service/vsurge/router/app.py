@@ -482,6 +482,7 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
             router.gate,
             metrics,
             keys_of_models,
+            waker,
             fallbacks=cfg.ext_proc_fallbacks,
             max_body_bytes=cfg.max_body_bytes,
             prefix_block_bytes=cfg.prefix_block_bytes,

@@ -18,6 +18,7 @@ the router's HTTP path and the gateway path see each other's load.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -38,6 +39,7 @@ from .table import EndpointTable
 from .tenants import Tenant
 from .upstream_keys import UpstreamKeys
 from .usage import UsageScanner
+from .wake import Waker
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         gate: Gate,
         metrics: RouterMetrics,
         keys: UpstreamKeys | None = None,
+        waker: Waker | None = None,
         *,
         fallbacks: int = 2,
         max_body_bytes: int = 8 * 1024 * 1024,
@@ -94,6 +97,8 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         self.gate = gate
         self.metrics = metrics
         self.keys = keys
+        self.waker = waker
+        self._waking: dict[str, asyncio.Task[Any]] = {}
         self.fallbacks = fallbacks
         self.max_body_bytes = max_body_bytes
         self.prefix_block_bytes = prefix_block_bytes
@@ -134,6 +139,8 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         else:
             candidates = list(view.upstreams) if view is not None else []
         if not candidates:
+            if hint is None and view is not None:
+                self._wake(model)
             return _refusal(
                 errors.unavailable(
                     f"No replica of the model `{model}` is ready; try again later.",
@@ -165,6 +172,21 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         elif self.gate.enabled:  # the tenant's key is the router's business, not the pod's
             choice.remove_headers.append("authorization")
         return choice
+
+    def _wake(self, model: str) -> None:
+        """A model with no ready pod: wake it (the scale subresource, wake.py) in the background; this
+        request is answered 503 with Retry-After, the client's retry finds a pod. One wake per model."""
+        if self.waker is None or model in self._waking:
+            return
+        task = asyncio.ensure_future(self.waker.upstreams_for(model))
+        self._waking[model] = task
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._waking.pop(model, None)
+            if not t.cancelled() and t.exception() is not None:
+                log.info("ext_proc: waking %s: %s", model, t.exception())
+
+        task.add_done_callback(done)
 
     # -- the stream
 
