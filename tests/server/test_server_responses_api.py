@@ -271,3 +271,13 @@ def test_a_stream_left_mid_way_is_stored_incomplete(server, http):
     left = store.get(rid).response
     # not the length cut (also "incomplete"): nothing was finished, so no output was stored
     assert left["status"] == "incomplete" and left["output"] == []
+
+
+def test_stored_response_routes_are_counted_without_their_ids(client, http):
+    r = client.responses.create(model="tiny", input="x", max_output_tokens=2)
+    client.responses.retrieve(r.id)
+    http.post(f"/v1/responses/{r.id}/cancel")
+    text = http.get("/metrics").text
+    assert 'route="/v1/responses/{response_id}",status="200"' in text
+    assert 'route="/v1/responses/{response_id}/cancel",status="400"' in text
+    assert r.id not in text

@@ -39,10 +39,12 @@ class Call:
     span: Any = None
     counted: bool = False
     closed: bool = False
+    # the metrics' route label when the path holds an id (/v1/responses/{response_id}): bounded labels
+    label: str | None = None
 
     @property
     def route(self) -> str:
-        return self.request.url.path
+        return self.label or self.request.url.path
 
     def admit(self) -> None:
         """Auth and readiness (raise the client's error), then count the request in flight."""

@@ -224,6 +224,7 @@ class ResponsesRoutes:
     async def responses_get(self, request: Request) -> Response:
         """GET /v1/responses/{response_id}: a stored response (in progress or finished)."""
         call = self._call(request)
+        call.label = request.url.path.replace(request.path_params.get("response_id", ""), "{response_id}")
         try:
             self._check_auth(request)
             rid = request.path_params["response_id"]
@@ -238,6 +239,7 @@ class ResponsesRoutes:
     async def responses_delete(self, request: Request) -> Response:
         """DELETE /v1/responses/{response_id}."""
         call = self._call(request)
+        call.label = request.url.path.replace(request.path_params.get("response_id", ""), "{response_id}")
         try:
             self._check_auth(request)
             rid = request.path_params["response_id"]
@@ -254,6 +256,7 @@ class ResponsesRoutes:
     async def responses_cancel(self, request: Request) -> Response:
         """POST /v1/responses/{response_id}/cancel: stops a response that is still running."""
         call = self._call(request)
+        call.label = request.url.path.replace(request.path_params.get("response_id", ""), "{response_id}")
         try:
             self._check_auth(request)
             rid = request.path_params["response_id"]
