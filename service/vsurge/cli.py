@@ -56,7 +56,7 @@ def size_engine(cfg: ServeConfig, model: Any, mesh: Any, say: Callable[[str], No
     from vsurge import sizing
 
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    sized = sizing.measure(cfg.engine, cfg.explicit, model, cfg.dtype, devices)
+    sized = sizing.measure(cfg.engine, cfg.set_knobs, model, cfg.dtype, devices)
     cfg.engine = sizing.apply(cfg.engine, sized)
     say(f"sized: {sized.slots} slots x {sized.context} tokens of context ({sized.describe()})")
 

@@ -40,11 +40,11 @@ def sizing_rows(cfg: Any, model_config: Any, devices: list[Any], rows: list[Any]
             f"sizing: at start, from the loaded weights ({backend} memory {memory / (1 << 30):.1f} GiB, "
             f"x {cfg.engine.hbm_utilization:g} of what the weights leave; cap {cap} slots)"
         )
-    sized = sizing.estimate(cfg.engine, cfg.explicit, model_config, cfg.dtype, devices)
+    sized = sizing.estimate(cfg.engine, cfg.set_knobs, model_config, cfg.dtype, devices)
     values = {"max_concurrent_decodes": sized.slots, "max_length": sized.context}
     out = [
         dataclasses.replace(r, value=values[r.name], source="sized", why=sized.why)
-        if r.name in values and r.name not in cfg.explicit
+        if r.name in values and r.name not in cfg.set_knobs
         else r
         for r in rows
     ]
@@ -67,7 +67,7 @@ def print_config(cfg: Any) -> int:
             "(model shapes not read: not a local Hugging Face directory or GGUF file; the attention path "
             "assumes they fit)"
         )
-    rows: list[Resolved] = resolve(cfg.engine, backend, model_config, explicit=set(cfg.explicit))
+    rows: list[Resolved] = resolve(cfg.engine, backend, model_config, explicit=set(cfg.set_knobs))
     rows, why = sizing_rows(cfg, model_config, devices if cfg.mesh else devices[:1], rows)
     print(format_resolved(rows))
     print(why)

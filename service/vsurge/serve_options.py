@@ -276,8 +276,9 @@ class ServeConfig:
     loras: tuple[tuple[str, str], ...] = ()
     enable_lora_runtime_updates: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
-    # the engine knobs a flag or a variable set: serve sizes the others from the device (vsurge/sizing.py)
-    explicit: frozenset[str] = frozenset()
+    # the engine knobs a flag or a variable set: serve sizes the others from the device (vsurge/sizing.py);
+    # None (a ServeConfig built in Python): those that differ from EngineConfig's defaults
+    explicit: frozenset[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Any:
@@ -296,6 +297,14 @@ class ServeConfig:
         p = Path(self.model.rstrip("/"))
         name = p.stem if p.suffix == ".gguf" else p.name
         return name.partition("@")[0] if self.model.startswith("hf://") else name  # hf://org/name@rev
+
+    @property
+    def set_knobs(self) -> frozenset[str]:
+        """The engine knobs given, which sizing keeps (``explicit``, else those off their defaults)."""
+        if self.explicit is not None:
+            return self.explicit
+        base = EngineConfig()
+        return frozenset(n for n in ENGINE_FIELDS if getattr(self.engine, n) != getattr(base, n))
 
     @property
     def resolved_metrics_port(self) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from vsurge.engine_config import EngineConfig
 from vsurge.sizing import Sizing, estimate_weights_bytes, kv_bytes_per_token, size, slot_cap
 
 GIB = 1 << 30
@@ -119,3 +120,13 @@ def test_print_config_on_cpu_shows_the_sizing(tmp_path):
     out = subprocess.run([*run, "--max-concurrent-decodes", "4"], env=env, capture_output=True, text=True)
     lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
     assert lines["max_concurrent_decodes"].split()[1] == "4" and "[set]" in lines["max_concurrent_decodes"]
+
+
+def test_the_knobs_sizing_keeps_are_those_given():
+    from vsurge.serve_options import ServeConfig, parse_serve_config
+
+    assert parse_serve_config([], {}).set_knobs == frozenset()
+    cfg = parse_serve_config(["--max-length", "512"], {"VSURGE_MAX_CONCURRENT_DECODES": "16"})
+    assert cfg.set_knobs == {"max_length", "max_concurrent_decodes"}  # 16 given is kept, though the default
+    built = ServeConfig(engine=EngineConfig(max_concurrent_decodes=4))  # in Python: what differs
+    assert built.set_knobs == {"max_concurrent_decodes"}
