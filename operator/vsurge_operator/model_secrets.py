@@ -30,6 +30,19 @@ API_KEY_ENV = "VSURGE_API_KEY"
 KEY_BYTES = 48
 
 
+class SecretsForbidden(Exception):
+    """The operator may not create or read Secrets in the model's namespace (its RBAC grants Secrets only
+    in the chart's secretNamespaces, or the watched namespaces)."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(
+            f"the operator may not create or read Secrets in namespace {namespace} (a multi-host model's lane "
+            f"Secret, a compile cache's signing key): add {namespace} to the chart's secretNamespaces, or to "
+            "watchNamespaces"
+        )
+        self.namespace = namespace
+
+
 def cache_key_name(model: ModelSpec) -> str:
     return f"{model.name}{CACHE_KEY_SUFFIX}"
 

@@ -107,8 +107,13 @@ class Reconciler:
         model = specmod.parse(body, default_image=self.config.model_images())
         model = compile_cache.with_default(model, self.config.compile_cache_access_mode)
         outcome = Outcome()
-        lane_version = lane.ensure_secret(self.api, model) if model.multi_host else None
-        model_secrets.ensure_cache_key(self.api, model)
+        try:  # Secrets: only where the chart's Roles grant them (secretNamespaces / watchNamespaces)
+            lane_version = lane.ensure_secret(self.api, model) if model.multi_host else None
+            model_secrets.ensure_cache_key(self.api, model)
+        except ApiException as e:
+            if e.status == 403:
+                raise model_secrets.SecretsForbidden(namespace) from e
+            raise
         reach, pool = self.surroundings()
         desired = manifests.desired_objects(model, lane_version, reach=reach, pool=pool)
         for obj in desired:
@@ -220,6 +225,8 @@ class Reconciler:
             reason = "OwnershipConflict"
         elif isinstance(exc, MissingApi):
             reason = "MissingApi"
+        elif isinstance(exc, model_secrets.SecretsForbidden):
+            reason = "SecretsForbidden"
         elif isinstance(exc, ApiException):
             reason = "ApiError"
         else:

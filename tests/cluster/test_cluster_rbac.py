@@ -92,6 +92,17 @@ def test_operator_and_router_under_the_charts_service_accounts(k8s, namespace, t
         },
     )
     assert _forbidden(as_router, "GET", f"{ns_path}/secrets")
+    # Secrets only through the Roles of secretNamespaces (the release namespace by default): a named get
+    # there is allowed (404, not 403), a list never, and nothing outside it (the checks above)
+    released = f"/api/v1/namespaces/{RELEASE_NS}/secrets"
+    for who in (as_operator, as_router):
+        assert _forbidden(who, "GET", released)  # list
+        with pytest.raises(ApiException) as missing:
+            who.request("GET", f"{released}/not-there")
+        assert missing.value.status == 404
+    assert _forbidden(
+        as_router, "POST", released, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x"}}
+    )
     assert _forbidden(as_router, "GET", f"{ns_path}/pods")  # its pods come from EndpointSlices only
     assert _forbidden(as_router, "GET", f"{ns_path}/endpoints")
     assert as_router.request("GET", f"/apis/discovery.k8s.io/v1beta1/namespaces/{namespace}/endpointslices")

@@ -178,3 +178,29 @@ def test_reconcile_renders_and_removes_pool_policy_secret_and_group_budgets(
     assert cluster.obj("policy/v1/poddisruptionbudgets", namespace, "m-group-0")
     assert not cluster.obj("policy/v1/poddisruptionbudgets", namespace, "m-group-1")
     assert not cluster.obj("inference.networking.k8s.io/v1/inferencepools", namespace, "m")
+
+
+def test_a_namespace_without_secret_rights_is_reported(
+    cluster: KMockCluster, namespace: str, api: kube.Kube
+) -> None:
+    """Cluster-wide mode grants Secrets only in secretNamespaces: elsewhere the API answers 403, and the
+    model says what to change instead of a bare 403."""
+    from kmock_harness import Fault
+
+    r = reconcile.Reconciler(kube.Kube(api.api), OperatorConfig())
+    api.create(kube.INFERENCE_MODEL, namespace, inference_model("m", namespace, compileCache={"size": "1Gi"}))
+    body = cluster.obj("vsurge.io/v1alpha1/inferencemodels", namespace, "m")
+    cluster.emulator.faults.append(Fault("GET", "secrets", 403, times=1))
+    try:
+        r.reconcile(body)
+    except model_secrets.SecretsForbidden as e:
+        r.report_failure(body, e)
+    else:
+        raise AssertionError("a 403 on the model's Secret passed silently")
+    degraded = next(
+        c
+        for c in cluster.obj("vsurge.io/v1alpha1/inferencemodels", namespace, "m")["status"]["conditions"]
+        if c["type"] == "Degraded"
+    )
+    assert degraded["reason"] == "SecretsForbidden"
+    assert f"add {namespace} to the chart's secretNamespaces" in degraded["message"]
