@@ -48,7 +48,8 @@ def test_completion_render_one_per_prompt(http, surge):
     gen = http.post("/v1/completions", json={**body, "return_token_ids": True}).json()
     assert [c["prompt_token_ids"] for c in gen["choices"]] == [g["token_ids"] for g in got]
     ids = http.post("/v1/completions/render", json={"model": "tiny", "prompt": [5, 6, 7]}).json()
-    assert ids[0]["token_ids"] == [5, 6, 7] and ids[0]["prompt"] is None
+    assert ids[0]["token_ids"] == ids[0]["prompt_token_ids"] == [5, 6, 7]
+    assert ids[0]["prompt"] == surge.processor.decode([5, 6, 7])
     # tokenization options apply as in generation
     opts = {
         "model": "tiny",
@@ -84,3 +85,39 @@ def test_bad_input_is_400_naming_the_field(http, path, body, param):
 def test_counted(http):
     http.post("/v1/completions/render", json={"model": "tiny", "prompt": "x"})
     assert 'route="/v1/completions/render",status="200"' in http.get("/metrics").text
+
+
+def test_what_vllm_render_tests_read(http, surge):
+    """vLLM's own render tests (tests/entrypoints/openai/cpu/test_render.py), their checks restated."""
+    text = "When should a handler return an empty string?"
+    got = http.post("/v1/completions/render", json={"model": "tiny", "prompt": text}).json()
+    assert got[0]["prompt_token_ids"] and text in got[0]["prompt"]
+    multi = http.post("/v1/completions/render", json={"model": "tiny", "prompt": ["Hello", "Bye"]}).json()
+    assert len(multi) == 2 and all(m["prompt_token_ids"] and m["prompt"] for m in multi)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "temperature": 0.123,
+        "top_p": 0.456,
+        "frequency_penalty": 1.1,
+    }
+    r = http.post("/v1/chat/completions/render", json=body)
+    assert r.headers["content-type"].startswith("application/json")
+    chat = r.json()
+    assert chat["token_ids"] == surge.tokenize(
+        chat["prompt"]
+    )  # vLLM checks BOS first; this template has none
+    assert chat["stream"] is True and chat["stream_options"] == {
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
+    sp = chat["sampling_params"]
+    assert (sp["temperature"], sp["top_p"], sp["frequency_penalty"]) == (0.123, 0.456, 1.1)
+    for path, body in (
+        ("/v1/completions/render", {"prompt": "x"}),
+        ("/v1/chat/completions/render", {"messages": []}),
+    ):
+        missing = http.post(path, json={"model": "nope", **body})
+        assert missing.status_code == 404 and "error" in missing.json()

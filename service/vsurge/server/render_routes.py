@@ -5,7 +5,8 @@ A render is a generation request planned and tokenized exactly as the generation
 engine (the same plan_chat / plan_completion, chat template, tokenization options and tokenizer rule),
 then answered instead of run: vLLM's generate-request object (`request_id`, `token_ids`, `features`,
 `sampling_params`, `model`, `stream`, ...) — one for a chat, a list (one per prompt) for completions —
-plus `prompt`, the rendered text (vSurge's addition, null for a token-id prompt).
+plus `prompt`, the rendered text (the decoded ids for a token-id prompt), and `prompt_token_ids`, the ids
+again under the name vLLM's earlier completions render answered with.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from .engine import _decode
 from .errors import invalid_request
 from .parsing import GenerationPlan
 from .wire import dumps
@@ -59,6 +61,8 @@ def generate_request(
     return {
         "request_id": f"{prefix}-{plan.request_id or uuid.uuid4().hex}",
         "token_ids": token_ids,
+        # the same ids under the name vLLM's earlier completions render used (its tests read either)
+        "prompt_token_ids": token_ids,
         "features": None,  # text-only: no multimodal placeholders
         "sampling_params": vllm_sampling_params(plan),
         "model": model,
@@ -106,9 +110,8 @@ class RenderRoutes:
                         code="context_length_exceeded",
                     )
                 prefix = "chatcmpl" if operation == "chat" else "cmpl"
-                out.append(
-                    generate_request(plan, prefix, ids, p if isinstance(p, str) else None, data.get("model"))
-                )
+                text = p if isinstance(p, str) else _decode(entry, ids)
+                out.append(generate_request(plan, prefix, ids, text, data.get("model")))
             call.close(200)
             return Response(dumps(out[0] if operation == "chat" else out), media_type="application/json")
         except Exception as exc:
