@@ -112,3 +112,27 @@ def test_counted_and_traced(client, http, span_exporter):
     client.embeddings.create(model="tiny", input="count me")
     assert 'route="/v1/embeddings",status="200"' in http.get("/metrics").text
     assert any(s.name == "embeddings tiny" for s in span_exporter.get_finished_spans())
+
+
+def test_what_vllm_embedding_tests_read(client, http, surge):
+    """vLLM's own embedding tests (tests/entrypoints/openai/embedding_tests), their checks restated: id,
+    created, completion_tokens 0, token counts of token-id inputs, truncation, chat `messages` equal to the
+    rendered prompt embedded without added special tokens, and normalize."""
+    r = http.post("/v1/embeddings", json={"model": "tiny", "input": [[4, 5, 7, 9, 20], [15, 29]]}).json()
+    assert r["id"].startswith("embd-") and isinstance(r["created"], int)
+    assert r["usage"] == {"prompt_tokens": 7, "total_tokens": 7, "completion_tokens": 0}
+    messages = [
+        {"role": "user", "content": "The cat sat."},
+        {"role": "assistant", "content": "A feline rested."},
+    ]
+    chat = http.post("/v1/embeddings", json={"model": "tiny", "messages": messages}).json()
+    prompt = surge.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    plain = client.embeddings.create(
+        model="tiny", input=prompt, encoding_format="float", extra_body={"add_special_tokens": False}
+    )
+    assert chat["usage"] == plain.usage.model_dump()
+    assert np.allclose(chat["data"][0]["embedding"], plain.data[0].embedding, atol=1e-6)
+    both = http.post("/v1/embeddings", json={"model": "tiny", "messages": messages, "input": "x"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "messages"
+    bad = http.post("/v1/embeddings", json={"model": "tiny", "messages": [{"content": "no role"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("messages")

@@ -19,9 +19,12 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from .body import validate
 from .errors import invalid_request, unsupported_field
+from .messages import messages_to_dicts, render_chat
 from .prompts import check_truncation, truncate_ids
 from .sampling_fields import out_of_vocabulary
+from .schemas import ChatCompletionRequest
 from .wire import dumps, new_id
 
 # Most inputs one request may carry (OpenAI allows 2048; each is a row of a pooling batch).
@@ -39,6 +42,9 @@ class EmbeddingPlan:
     normalize: bool = True
     dimensions: int | None = None
     truncate: int | None = None
+    # vLLM's chat embeddings: a conversation rendered with the chat template is the one input
+    messages: list[Any] | None = None
+    add_special_tokens: bool | None = None
 
 
 def _flag(data: dict[str, Any], key: str, kind: type, default: Any) -> Any:
@@ -52,9 +58,10 @@ def _flag(data: dict[str, Any], key: str, kind: type, default: Any) -> Any:
 
 def parse_embeddings(data: dict[str, Any], *, vocab_size: int | None, max_length: int) -> EmbeddingPlan:
     """A /v1/embeddings or /pooling body -> an EmbeddingPlan (raises APIError naming the field)."""
-    if data.get("messages") is not None:
-        raise unsupported_field("messages", "send the text to embed as 'input'")
-    raw = data.get("input")
+    messages = data.get("messages")
+    if messages is not None and data.get("input") is not None:
+        raise invalid_request("Send 'input' or 'messages', not both.", param="messages")
+    raw = data.get("input") if messages is None else "rendered from messages"
     if raw is None:
         raise invalid_request("Missing required parameter: 'input'.", param="input")
     if isinstance(raw, str):
@@ -104,8 +111,19 @@ def parse_embeddings(data: dict[str, Any], *, vocab_size: int | None, max_length
         )
     dims = _flag(data, "dimensions", int, None)
     truncate = check_truncation(_flag(data, "truncate_prompt_tokens", int, None), max_length)
+    specials = _flag(data, "add_special_tokens", bool, None)
+    if messages is not None and specials is None:
+        specials = False  # the template wrote the special tokens (vLLM's default for chat input)
     return EmbeddingPlan(
-        data.get("model"), inputs, encoding, pooling, _flag(data, "normalize", bool, True), dims, truncate
+        data.get("model"),
+        inputs,
+        encoding,
+        pooling,
+        _flag(data, "normalize", bool, True),
+        dims,
+        truncate,
+        messages,
+        specials,
     )
 
 
@@ -135,19 +153,29 @@ def encode(vec: np.ndarray, encoding: str) -> list[float] | str:
     return [float(v) for v in vec]
 
 
+def render_messages(plan: EmbeddingPlan, processor: Any, oai_like_processor: bool) -> None:
+    """vLLM's chat embeddings: the conversation, rendered as a chat prompt, becomes the one input."""
+    if plan.messages is None:
+        return
+    req = validate(ChatCompletionRequest, {"messages": plan.messages})
+    text = render_chat(processor, messages_to_dicts(req.messages), oai_like_processor=oai_like_processor)
+    plan.inputs = [text]
+
+
 def embeddings_response(
     kind: str, model: str, vecs: np.ndarray, encoding: str, prompt_tokens: int
 ) -> dict[str, Any]:
     """OpenAI's embedding list, or vLLM's /pooling list (`object: pooling`, the vector under `data`)."""
-    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    # vLLM's usage (completion_tokens 0) and id / created beside OpenAI's fields
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}
     if kind == "embedding":
         data = [
             {"object": "embedding", "index": i, "embedding": encode(v, encoding)} for i, v in enumerate(vecs)
         ]
-        return {"object": "list", "data": data, "model": model, "usage": usage}
-    data = [{"object": "pooling", "index": i, "data": encode(v, encoding)} for i, v in enumerate(vecs)]
+    else:
+        data = [{"object": "pooling", "index": i, "data": encode(v, encoding)} for i, v in enumerate(vecs)]
     return {
-        "id": new_id("pool"),
+        "id": new_id("embd" if kind == "embedding" else "pool"),
         "object": "list",
         "created": int(time.time()),
         "model": model,
@@ -174,7 +202,9 @@ class EmbeddingRoutes:
             call.model = entry.name
             plan = parse_embeddings(data, vocab_size=entry.vocab_size, max_length=entry.max_length)
             if entry.parent is not None:  # the pooling program runs the base weights: no adapter's
-                raise unsupported_field("model", f"'{entry.name}' is a LoRA adapter; embeddings use base models")
+                raise unsupported_field(
+                    "model", f"'{entry.name}' is a LoRA adapter; embeddings use base models"
+                )
             if not hasattr(entry.surge, "pooler"):
                 raise unsupported_field("model", "this engine serves no embeddings")
             try:
@@ -187,7 +217,12 @@ class EmbeddingRoutes:
                     f"this model's embeddings have {pooler.dim} dimensions and cannot be shortened",
                 )
             call.start_span("embeddings", entry, None)
-            ids = await asyncio.to_thread(token_inputs, plan, entry.surge.tokenize, pooler.max_tokens)
+            render_messages(plan, entry.processor, getattr(self, "oai_like_processor", True))
+            tokenize = entry.surge.tokenize
+            if plan.add_special_tokens is not None and entry.processor is not None:
+                flag = plan.add_special_tokens
+                tokenize = lambda text: list(entry.processor.encode(text, add_special_tokens=flag))  # noqa: E731
+            ids = await asyncio.to_thread(token_inputs, plan, tokenize, pooler.max_tokens)
             vecs = await asyncio.to_thread(pooler.pool, ids, plan.pooling, plan.normalize)
             tokens = sum(len(x) for x in ids)
             body = embeddings_response(kind, entry.name, vecs, plan.encoding, tokens)
