@@ -100,6 +100,12 @@ def test_pool_policy_secrets_and_group_budgets_accepted(k8s, pool_crd, namespace
                 "name": "single-key",
                 "key": "api-key",
             }
+    # a second pass writes nothing: the server's defaults (the pool's appProtocol, the picker's kind) are
+    # not drift
+    for name in ("single", "multi"):
+        again = r.reconcile(api.get(kube.INFERENCE_MODEL, namespace, name))
+        changed = {(a.kind, a.name): a.action for a in again.applied if a.action != "unchanged"}
+        assert changed == {} and again.removed == [], changed
     # the leaders only, for the multi-host pool
     multi_pool = api.get(kube.INFERENCE_POOL, namespace, "multi")
     assert multi_pool["spec"]["selector"]["matchLabels"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
