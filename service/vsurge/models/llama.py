@@ -204,7 +204,10 @@ class LlamaForCausalLM(nnx.Module):
             w = embed.embedding[...]
             if embed.scale is not None:  # tied and int8: the table [vocab, hidden] contracted over hidden
                 return int8_matmul(hidden, w, embed.scale[...], axis=1)
-            return jnp.dot(hidden, w.T, preferred_element_type=jnp.float32)
+            # contracted in place: `hidden @ w.T` made XLA:CPU copy the whole table transposed every decode
+            # step (113 MB for the 135M model's [49152, 576])
+            dims = (((hidden.ndim - 1,), (1,)), ((), ()))
+            return jax.lax.dot_general(hidden, w, dims, preferred_element_type=jnp.float32)
         if self.lm_head.scale is not None:
             return int8_matmul(hidden, self.lm_head.kernel[...], self.lm_head.scale[...])
         w = self.lm_head.kernel[...]  # bfloat16 copy of a float32 head: the input is cast (vengine.py)
