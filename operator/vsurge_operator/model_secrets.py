@@ -8,6 +8,8 @@ and the model's own API key (the user's Secret, spec.apiKeySecret).
   key are then compiled over) and passes it as that variable from the Secret.
 - ``VSURGE_API_KEY`` from ``spec.apiKeySecret`` (``{name, key}``): the pods refuse requests without it;
   the router reads the same Secret and sends it. The operator never reads that Secret.
+- ``VSURGE_ADMIN_KEY`` from ``spec.adminKeySecret``: the admin routes' own key (runtime LoRA loading),
+  which neither the router nor a tenant holds.
 
 The operator's RBAC on Secrets is ``get`` and ``create`` in the namespaces it manages, and it only ever
 reads Secrets it created (``ensure`` refuses one of that name it does not control). Pure builders, and
@@ -27,6 +29,7 @@ CACHE_KEY_SUFFIX = "-cache-key"
 CACHE_KEY = "hmac.key"
 CACHE_KEY_ENV = "VSURGE_CACHE_HMAC_KEY"
 API_KEY_ENV = "VSURGE_API_KEY"
+ADMIN_KEY_ENV = "VSURGE_ADMIN_KEY"
 KEY_BYTES = 48
 
 
@@ -87,4 +90,6 @@ def env(model: ModelSpec) -> list[dict[str, Any]]:
         out.append(_from_secret(CACHE_KEY_ENV, cache_key_name(model), CACHE_KEY))
     if model.api_key_secret is not None:
         out.append(_from_secret(API_KEY_ENV, model.api_key_secret.name, model.api_key_secret.key))
+    if model.admin_key_secret is not None:
+        out.append(_from_secret(ADMIN_KEY_ENV, model.admin_key_secret.name, model.admin_key_secret.key))
     return out

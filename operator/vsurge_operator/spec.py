@@ -162,6 +162,7 @@ class ModelSpec:
     adapters: tuple[adaptersmod.AdapterSpec, ...] = ()  # spec.adapters (LoRA)
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     api_key_secret: ApiKeySecret | None = None
+    admin_key_secret: ApiKeySecret | None = None  # spec.adminKeySecret (key default admin-key)
 
     @property
     def accelerator(self) -> str:
@@ -271,10 +272,10 @@ def gateway_from(raw: Mapping[str, Any] | None) -> GatewaySpec:
     )
 
 
-def api_key_secret_from(raw: Mapping[str, Any] | None) -> ApiKeySecret | None:
+def api_key_secret_from(raw: Mapping[str, Any] | None, default_key: str = "api-key") -> ApiKeySecret | None:
     if not raw or not raw.get("name"):
         return None
-    return ApiKeySecret(name=raw["name"], key=raw.get("key") or "api-key")
+    return ApiKeySecret(name=raw["name"], key=raw.get("key") or default_key)
 
 
 def parse(body: Mapping[str, Any], *, default_image: str | Mapping[str, str] | None = None) -> ModelSpec:
@@ -337,4 +338,5 @@ def parse(body: Mapping[str, Any], *, default_image: str | Mapping[str, str] | N
         adapters=adaptersmod.adapters_from(spec.get("adapters")),
         gateway=gateway_from(spec.get("gateway")),
         api_key_secret=api_key_secret_from(spec.get("apiKeySecret")),
+        admin_key_secret=api_key_secret_from(spec.get("adminKeySecret"), "admin-key"),
     )

@@ -120,12 +120,19 @@ def test_multi_host_lane_policy_stops_admitting_everyone_when_the_model_policy_d
 
 
 def test_pod_env_from_secrets_and_engine_labels() -> None:
-    m = model(compileCache={"size": "10Gi"}, apiKeySecret={"name": "llama-key"})
+    m = model(
+        compileCache={"size": "10Gi"},
+        apiKeySecret={"name": "llama-key"},
+        adminKeySecret={"name": "llama-admin"},
+    )
     env = {e["name"]: e for e in manifests.env(m)}
     assert env["VSURGE_CACHE_HMAC_KEY"]["valueFrom"] == {
         "secretKeyRef": {"name": "llama-cache-key", "key": "hmac.key"}
     }
     assert env["VSURGE_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "llama-key", "key": "api-key"}}
+    assert env["VSURGE_ADMIN_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "llama-admin", "key": "admin-key"}
+    }
     assert "VSURGE_CACHE_HMAC_KEY" not in {e["name"] for e in manifests.env(model())}
     labels = manifests.pod_template(m)["metadata"]["labels"]
     assert labels["llm-d.ai/engine-type"] == labels["inference.networking.k8s.io/engine-type"] == "vllm"
