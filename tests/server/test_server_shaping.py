@@ -68,6 +68,7 @@ def test_chat_response_shape():
         "function_call": None,
         "reasoning_content": None,
         "reasoning": None,
+        "tool_calls": None,
     }
     # vLLM's fields are present, null when not asked: clients read them as attributes
     assert choice["token_ids"] is None and choice["stop_reason"] is None

@@ -193,11 +193,13 @@ class EmbeddingRoutes:
     async def pooling(self, request: Request) -> Response:
         return await self._pool(request, "pooling")
 
-    async def _pool(self, request: Request, kind: str) -> Response:
+    async def _pool(self, request: Request, kind: str, data: dict[str, Any] | None = None) -> Response:
+        """``data``: the body, when /invocations has read it already."""
         call = self._call(request)
         try:
             call.admit()
-            data = await self._json(request)
+            if data is None:
+                data = await self._json(request)
             entry = self._model(data.get("model") if isinstance(data.get("model"), str) else None)
             call.model = entry.name
             plan = parse_embeddings(data, vocab_size=entry.vocab_size, max_length=entry.max_length)

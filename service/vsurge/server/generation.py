@@ -143,6 +143,10 @@ class GenerationRoutes:
             data = await self._json(request)
             if operation is None:
                 operation = _invocation_kind(data)
+                if operation == "embedding":  # the embeddings route owns its count and its answer
+                    self.in_flight -= 1
+                    counted = False
+                    return await self._pool(request, "embedding", data)
             entry, plan = await self._plan(data, operation)
             model_name = entry.name
             response_id = new_id("chatcmpl" if operation == "chat" else "cmpl", plan.request_id)
@@ -436,14 +440,17 @@ class GenerationRoutes:
 
 
 def _invocation_kind(data: dict[str, Any]) -> str:
-    """/invocations: which route a body belongs to, as vLLM tells them apart (chat has messages)."""
+    """/invocations: which route a body belongs to, as vLLM tells them apart (chat has messages; an
+    embeddings body has `input`, or `encoding_format` beside its messages)."""
+    if "input" in data or "encoding_format" in data:
+        return "embedding"
     if "messages" in data:
         return "chat"
     if "prompt" in data:
         return "text_completion"
     raise errors.invalid_request(
-        "Cannot tell the request type of this /invocations body: send 'messages' (a chat completion) or "
-        "'prompt' (a completion).",
+        "Cannot tell the request type of this /invocations body: send 'messages' (a chat completion), "
+        "'prompt' (a completion) or 'input' (embeddings).",
         param="messages",
     )
 

@@ -73,10 +73,11 @@ def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _top_dict(lp: TokenLogprob, decode: Callable[[int], str]) -> dict[str, float]:
-    """Legacy top_logprobs entry: the top N and the chosen token itself (OpenAI: up to N + 1 entries)."""
+    """Legacy top_logprobs entry: the chosen token itself, then the top N (OpenAI: up to N + 1 entries).
+    The chosen token first, as vLLM orders it: a client reads the first key as the token at that place."""
     top: dict[str, float] = {}
     # ids that decode alike (bytes of one character all read as U+FFFD) keep the likeliest value
-    for tid, v in [*lp.top, (lp.token_id, lp.logprob)]:
+    for tid, v in [(lp.token_id, lp.logprob), *lp.top]:
         key = decode(tid)
         top[key] = max(top.get(key, -math.inf), _lp(v))
     return top

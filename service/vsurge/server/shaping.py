@@ -102,7 +102,8 @@ class Collector:
 
 def chat_message(content: str | None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The assistant message with every field OpenAI's and vLLM's clients read (null when unused);
-    `tool_calls` only when there are calls, as OpenAI answers."""
+    `tool_calls` null when there are none: the key is there, so the JSON has the keys a client's parsed
+    message has (vLLM's /invocations test compares the two), and clients read null as no calls."""
     msg: dict[str, Any] = {
         "role": "assistant",
         "content": content,
@@ -113,9 +114,8 @@ def chat_message(content: str | None, tool_calls: list[dict[str, Any]] | None = 
         # vLLM's reasoning fields (its older and newer name); no reasoning parser here
         "reasoning_content": None,
         "reasoning": None,
+        "tool_calls": tool_calls,
     }
-    if tool_calls is not None:
-        msg["tool_calls"] = tool_calls
     return msg
 
 
@@ -162,6 +162,9 @@ def chat_response(
         "created": created,
         "model": model,
         "choices": out,
+        # OpenAI's newer chat.completion fields (the openai client's model has them): null here
+        "metadata": None,
+        "moderation": None,
         "service_tier": None,
         "system_fingerprint": None,
         "usage": usage(prompt_tokens, sum(c.generated_tokens for c in choices), extras.cached_tokens),
@@ -220,6 +223,9 @@ def completion_response(
         "created": created,
         "model": model,
         "choices": out,
+        # OpenAI's newer chat.completion fields (the openai client's model has them): null here
+        "metadata": None,
+        "moderation": None,
         "service_tier": None,
         "system_fingerprint": None,
         "usage": usage(prompt_tokens, sum(c.generated_tokens for c in choices), extras.cached_tokens),
