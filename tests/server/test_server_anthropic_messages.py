@@ -189,3 +189,5 @@ def test_counted_and_traced(claude, http, span_exporter):
     assert any(
         s.attributes.get("vsurge.request.route") == "/v1/messages" for s in span_exporter.get_finished_spans()
     )
+    claude.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert any(s.name == "count_tokens tiny" for s in span_exporter.get_finished_spans())

@@ -82,9 +82,10 @@ def test_bad_input_is_400_naming_the_field(http, path, body, param):
     assert r.json()["error"]["param"] == param
 
 
-def test_counted(http):
+def test_counted_and_traced(http, span_exporter):
     http.post("/v1/completions/render", json={"model": "tiny", "prompt": "x"})
     assert 'route="/v1/completions/render",status="200"' in http.get("/metrics").text
+    assert any(s.name == "render tiny" for s in span_exporter.get_finished_spans())
 
 
 def test_what_vllm_render_tests_read(http, surge):

@@ -273,7 +273,7 @@ def test_a_stream_left_mid_way_is_stored_incomplete(server, http):
     assert left["status"] == "incomplete" and left["output"] == []
 
 
-def test_stored_response_routes_are_counted_without_their_ids(client, http):
+def test_stored_response_routes_are_counted_without_their_ids(client, http, span_exporter):
     r = client.responses.create(model="tiny", input="x", max_output_tokens=2)
     client.responses.retrieve(r.id)
     http.post(f"/v1/responses/{r.id}/cancel")
@@ -281,3 +281,5 @@ def test_stored_response_routes_are_counted_without_their_ids(client, http):
     assert 'route="/v1/responses/{response_id}",status="200"' in text
     assert 'route="/v1/responses/{response_id}/cancel",status="400"' in text
     assert r.id not in text
+    names = {s.name for s in span_exporter.get_finished_spans()}
+    assert {"responses.retrieve tiny", "responses.cancel tiny"} <= names

@@ -53,7 +53,10 @@ class Call:
         self.server.in_flight += 1
         self.counted = True
 
-    def start_span(self, operation: str, entry: ServedModel, plan: GenerationPlan | None) -> None:
+    def start_span(
+        self, operation: str, entry: ServedModel | str, plan: GenerationPlan | None = None
+    ) -> None:
+        """A span `{operation} {model}` (the GenAI attributes of the plan when there is one)."""
         if not self.server.tracing.enabled:
             return
         attrs: dict[str, Any] = {"vsurge.request.route": self.route}
@@ -68,7 +71,8 @@ class Call:
                     "vsurge.request.stream": plan.stream,
                 }
             )
-        self.span = self.server.tracing.start(operation, entry.name, self.request.headers, attrs)
+        name = entry if isinstance(entry, str) else entry.name
+        self.span = self.server.tracing.start(operation, name, self.request.headers, attrs)
 
     def close(self, status: int, error: APIError | None = None, **finish: Any) -> None:
         """Record the status, end the span, leave the in-flight count; only the first call counts."""

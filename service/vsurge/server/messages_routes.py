@@ -171,6 +171,7 @@ class MessagesRoutes:
             data = await self._json(request)
             entry, plan = await self._chat_plan(messages_to_chat(data, count_only=True))
             call.model = entry.name
+            call.start_span("count_tokens", entry)
             prompt = plan.prompts[0]
             ids = (
                 prompt if isinstance(prompt, list) else await asyncio.to_thread(entry.surge.tokenize, prompt)

@@ -99,6 +99,7 @@ class RenderRoutes:
                 )
             entry, plan = await self._plan(data, operation)
             call.model = entry.name
+            call.start_span("render", entry, plan)
             limit = int(getattr(entry.surge, "max_prompt_length", entry.max_length - 1))
             out = []
             for p in plan.prompts:

@@ -231,6 +231,8 @@ class ResponsesRoutes:
             stored = self.responses_store.get(rid)
             if stored is None:
                 raise _not_found(rid)
+            call.model = stored.response.get("model", "")
+            call.start_span("responses.retrieve", call.model)
             call.close(200)
             return _json(stored.response)
         except Exception as exc:
@@ -246,6 +248,8 @@ class ResponsesRoutes:
             stored = self.responses_store.get(rid)
             if stored is None or not self.responses_store.delete(rid):
                 raise _not_found(rid)
+            call.model = stored.response.get("model", "")
+            call.start_span("responses.delete", call.model)
             if stored.cancel is not None:
                 stored.cancel()
             call.close(200)
@@ -263,6 +267,8 @@ class ResponsesRoutes:
             stored = self.responses_store.get(rid)
             if stored is None:
                 raise _not_found(rid)
+            call.model = stored.response.get("model", "")
+            call.start_span("responses.cancel", call.model)
             if stored.cancel is None:
                 raise errors.invalid_request(
                     f"Cannot cancel response '{rid}': its status is {stored.response.get('status')!r}.",
