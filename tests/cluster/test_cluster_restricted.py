@@ -81,7 +81,8 @@ TPU_1 = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x4"}
 TPU_4 = {"accelerator": "tpu-v6e-slice", "topology": "4x4"}
 MODELS = {
     "cpu": {"replicas": 1, "podTemplate": {"metadata": {"labels": {"team": "a"}}}},
-    "tpu-one-host": {"tpu": TPU_1, "compileCache": {"size": "5Gi"}},
+    # the shared claim (the default, a claim per pod, is a generic ephemeral volume: GA in 1.23, not in 1.20)
+    "tpu-one-host": {"tpu": TPU_1, "compileCache": {"size": "5Gi", "accessMode": "ReadWriteMany"}},
     "gpu": {
         "gpu": {"count": 1, "type": "nvidia-l4"},
         "model": {"source": "pvc://weights/llama", "credentialsSecret": "creds"},
