@@ -205,8 +205,10 @@ def test_bad_requests_get_openai_shaped_errors(
 
 def test_unknown_routes_and_methods(start_router) -> None:
     router = start_router({"alpha": []})
-    r = httpx.get(f"{router.url}/v1/embeddings", timeout=10)
+    r = httpx.get(f"{router.url}/v1/audio/transcriptions", timeout=10)  # a route no pod serves
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{router.url}/v1/embeddings", timeout=10)  # forwarded, but POST only
+    assert r.status_code == 405 and "error" in r.json()
     r = httpx.get(f"{router.url}/v1/chat/completions", timeout=10)
     assert r.status_code == 405 and "error" in r.json()
     r = httpx.get(f"{router.url}/v1/models/nope", timeout=10)
