@@ -283,3 +283,23 @@ def test_stored_response_routes_are_counted_without_their_ids(client, http, span
     assert r.id not in text
     names = {s.name for s in span_exporter.get_finished_spans()}
     assert {"responses.retrieve tiny", "responses.cancel tiny"} <= names
+
+
+def test_streamed_function_call_as_the_client_helpers_read_it(client):
+    kinds = []
+    with client.responses.stream(
+        model="tiny",
+        input="Weather in Oslo?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+    ) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    (call,) = [o for o in final.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
