@@ -191,3 +191,26 @@ def test_counted_and_traced(claude, http, span_exporter):
     )
     claude.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert any(s.name == "count_tokens tiny" for s in span_exporter.get_finished_spans())
+
+
+def test_the_anthropic_clients_api_key_header(server, surge):  # server: the engine runs
+    """The anthropic client sends its key as `x-api-key`: a server with an API key takes it there too."""
+    from vsurge.server import start, vSurgeApiServer
+
+    running = start(
+        vSurgeApiServer({"tiny": surge}, api_key="sekrit", owns_engines=False),
+        host="127.0.0.1",
+        port=0,
+        metrics_port=-1,
+        warm_up=False,
+        progress=None,
+    )
+    try:
+        running.api.mark_ready()
+        body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+        ok = anthropic.Anthropic(base_url=running.url, api_key="sekrit", max_retries=0)
+        assert ok.messages.create(**body).usage.output_tokens == 2
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=running.url, api_key="wrong", max_retries=0).messages.create(**body)
+    finally:
+        running.stop()
