@@ -6,12 +6,12 @@ the last valid token's (the default for decoder LLMs) and the mean over valid to
 float32 and the host picks and L2-normalizes, so the pooling type never forces a recompile.
 
 Shapes are bounded: tokens are padded to one of the engine's prefill lengths and rows to that bucket's
-row count (`ROWS`, fewer for long buckets), so at most len(buckets) programs exist, compiled at `compile()`
-(warm start) and never on a live request. The program is separate from the driver's step loop: it runs
+row count (at most `ROWS`, and at most the largest bucket's tokens in all), so at most len(buckets)
+programs exist, compiled at `compile()` (warm start) and never on a live request. The program is separate from the driver's step loop: it runs
 on the engine's device from the server's worker thread, one bucket-sized batch at a time, so the time it
-can hold the device between two decode steps is bounded by one batch's forward (about ROW_TOKENS tokens,
-or one prompt of the largest bucket), not by the request's size. It is not scheduled inside the driver's
-token budget: a decode step may wait for one such batch.
+can hold the device between two decode steps is one batch's forward over at most as many tokens as the
+engine's largest prefill — what the driver itself may run between two decode steps — not the request's
+size. It is not scheduled by the driver: a decode step may wait for one such batch, as for one prefill.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from flax import nnx
 
 from vsurge.models.attention import PrefillAttention
 
-# Rows per pooling batch: inputs of one request are packed this many at a time, fewer in long buckets so
-# one batch holds at most about ROW_TOKENS tokens (a prefill's worth) whatever the bucket.
+# Rows per pooling batch: inputs of one request are packed this many at a time, fewer in long buckets, so
+# one batch holds no more tokens than the largest prefill bucket (one prefill's worth) whatever the bucket.
 ROWS = 8
-ROW_TOKENS = 4096
 POOLING_TYPES = ("last", "mean")
 
 
@@ -61,7 +60,7 @@ class Pooler:
         self.params = params
         self.buckets = sorted(buckets)
         # each bucket's rows: `rows`, fewer where the bucket is long
-        self.rows = {t: max(1, min(rows, ROW_TOKENS // t)) for t in self.buckets}
+        self.rows = {t: max(1, min(rows, self.buckets[-1] // t)) for t in self.buckets}
         # one batch at a time: two requests' batches would only queue on the device anyway
         self._lock = threading.Lock()
 
