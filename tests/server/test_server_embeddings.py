@@ -139,3 +139,17 @@ def test_what_vllm_embedding_tests_read(client, http, surge):
     assert both.status_code == 400 and both.json()["error"]["param"] == "messages"
     bad = http.post("/v1/embeddings", json={"model": "tiny", "messages": [{"content": "no role"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("messages")
+
+
+def test_the_paged_engine_pools_the_same(tiny_dir, surge, hf_hidden):
+    """The pooling program reads only the engine's weights: the odriver's engine gives the same vectors."""
+    from server_helpers import make_odriver_surge
+
+    paged = make_odriver_surge(tiny_dir)
+    try:
+        ids = [surge.tokenize(t) for t in TEXTS]
+        vecs = paged.pooler().pool(ids, "last")
+        for v, x in zip(vecs, ids, strict=True):
+            assert _cos(v, hf_hidden(x)[-1]) > 0.9999
+    finally:
+        paged.stop()
