@@ -248,6 +248,14 @@ def test_store_is_bounded_and_expires():
     assert store.get("r0") is None and store.get("r2") is not None and len(store) == 2
     now[0] = 11
     assert store.get("r2") is None
+    # the byte bound: big conversations push the oldest out, the newest stays
+    big = ResponseStore(max_entries=10, ttl_s=10, max_bytes=3000)
+    for i in range(3):
+        big.put(f"b{i}", StoredResponse({"id": f"b{i}"}, [{"type": "message", "content": "x" * 1000}]))
+    assert big.get("b0") is None and big.get("b2") is not None and big.bytes <= 3000
+    big.delete("b2")
+    big.delete("b1")
+    assert big.bytes == 0 and len(big) == 0
 
 
 def test_a_stream_left_mid_way_is_stored_incomplete(server, http):
