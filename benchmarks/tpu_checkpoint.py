@@ -228,7 +228,23 @@ def write_tokenizer(directory: str, vocab_size: int, seed: int = 0) -> None:
     with open(os.path.join(directory, "tokenizer.json"), "w") as f:
         json.dump(spec, f)
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+        json.dump(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+            },
+            f,
+        )
+
+
+# a chat template as a user's checkpoint has one: the serving benchmark (serving.py --serve) sends chat
+# requests through the server, and vLLM refuses a chat request without a template
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def write_checkpoint(shape: str, directory: str, seed: int = 0) -> int:
@@ -238,7 +254,9 @@ def write_checkpoint(shape: str, directory: str, seed: int = 0) -> int:
     marker = os.path.join(directory, "config.json")
     if os.path.exists(marker):
         with open(marker) as f:
-            if json.load(f) == cfg:
+            same = json.load(f) == cfg
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            if same and "chat_template" in json.load(f):  # one written before the template: rewritten
                 return 0
     write_tokenizer(directory, cfg["vocab_size"], seed)
     total = write_weights(directory, cfg, seed, WEIGHT_STD.get(shape, 0.02))

@@ -41,7 +41,7 @@ def save(path: str | None) -> None:
 from tpu_probes import Timeline, busy_rows_experiment, prefill_probe  # noqa: E402
 from tpu_raw import kv_bytes_per_token, param_count, raw_loop, weight_read_bytes  # noqa: E402
 from tpu_start_breakdown import StartBreakdown  # noqa: E402
-from tpu_workloads import mixed_limit, run_requests, workloads  # noqa: E402
+from tpu_workloads import matmul_params, matmul_peak, mixed_limit, run_requests, workloads  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ engines
 
@@ -84,7 +84,7 @@ def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float, raw_w
         store.wait()
         out["executables_written"] = dict(store.report(), waited_s=round(time.perf_counter() - t0, 2))
     if path == "vdriver" and time.perf_counter() < deadline:
-        out["prefill"] = prefill_probe(engine, param_count(model), args.peak_flops)
+        out["prefill"] = prefill_probe(engine, matmul_params(model), args.peak_flops)
     surge.start()
     try:
         if time.perf_counter() < deadline:
@@ -101,7 +101,7 @@ def run_engine(model, tok, path, args, fixed, mixed, raw, deadline: float, raw_w
         if time.perf_counter() < deadline:
             out["mixed"] = run_requests(surge, *mixed, max_in_flight=args.batch, deadline=deadline)
             if raw:
-                limit = mixed_limit(raw["step_s"], *mixed, param_count(model), args.peak_flops)
+                limit = mixed_limit(raw["step_s"], *mixed, matmul_params(model), args.peak_flops, args.batch)
                 out["mixed"]["limit_tok_s"] = sum(mixed[1]) / limit
                 out["mixed"]["vs_limit"] = out["mixed"]["tok_s"] / out["mixed"]["limit_tok_s"]
         if path == "vdriver" and args.busy_rows and time.perf_counter() < deadline - 30:
@@ -275,7 +275,12 @@ def main(argv=None) -> int:
     p.add_argument("--fixed-prompt", type=int, default=128)
     p.add_argument("--fixed-out", type=int, default=256)
     p.add_argument("--mixed-max-prompt", type=int, default=512)
-    p.add_argument("--peak-flops", type=float, default=165e12)
+    p.add_argument(
+        "--peak-flops",
+        type=float,
+        default=0.0,
+        help="matmul FLOP/s for the limits (0: measured on the device)",
+    )
     p.add_argument(
         "--decode-steps", type=int, default=None, help="vdriver's decode block (default: the backend's)"
     )
@@ -296,6 +301,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out")
     args = p.parse_args(argv)
+    args.measure_peak = not args.peak_flops
     deadline = T_PROCESS + args.deadline_s
     OUT.update(shape=args.shape, quant=args.quant, batch=args.batch)
     try:
@@ -320,6 +326,10 @@ def main(argv=None) -> int:
         OUT["load_s"] = time.perf_counter() - t0
         OUT["load_phases"] = phases
         OUT["weight_bytes"] = weight_read_bytes(model)
+        OUT["params"], OUT["matmul_params"] = param_count(model), matmul_params(model)
+        if not args.peak_flops:  # the chip's own matmul rate, measured once: the limit's yardstick
+            args.peak_flops = matmul_peak(8192 if dev.platform == "tpu" else 512)
+        OUT["matmul_peak_flops"], OUT["matmul_peak_measured"] = args.peak_flops, args.measure_peak
         OUT["kv_bytes_per_token"] = kv_bytes_per_token(model.config)
         save(args.out)
         fixed, mixed = workloads(

@@ -1,6 +1,9 @@
-"""The TPU benchmark's workloads (tpu_worker.py): a fixed batch and a mixed one of random prompts, run
-through `vSurge.complete` on one asyncio loop as the server does, with TTFT, the decode phase's rate and
-each thread's CPU time; and the mixed workload's limit estimate."""
+"""The TPU benchmark's workloads (tpu_worker.py): a fixed batch (every request in flight at once) and mixed
+arriving traffic (twice as many requests as slots, a slot's worth in flight: a request arrives as one
+finishes, so prompts are prefilled while others decode), run through `vSurge.complete` on one asyncio
+loop as the server does, with TTFT, the decode phase's rate and each thread's CPU time; and the mixed
+workload's limit, an estimate: decode steps at the raw loop's step time plus the prompts' matmul FLOPs at
+the chip's measured matmul peak, counting only the parameters a token is multiplied by."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+ARRIVING = 2  # the mixed workload's requests per slot: more than the slots, as traffic that keeps coming
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -97,16 +102,52 @@ def run_requests(surge, prompts, outputs, max_in_flight: int, deadline: float) -
 def workloads(
     vocab: int, batch: int, fixed_prompt: int, fixed_out: int, mixed_max_prompt: int, seed: int = 0
 ):
+    """(fixed, mixed): ``batch`` prompts of ``fixed_prompt`` tokens x ``fixed_out`` tokens; and ARRIVING x
+    ``batch`` requests of 32..mixed_max_prompt prompt tokens x 16..256 output tokens (run ``batch`` in flight)."""
     rng = np.random.default_rng(seed)
     hi = min(vocab, 30000)
     fixed = ([rng.integers(2, hi, fixed_prompt) for _ in range(batch)], [fixed_out] * batch)
-    lens = rng.integers(32, mixed_max_prompt + 1, batch)
-    mixed = ([rng.integers(2, hi, n) for n in lens], list(rng.integers(16, 257, batch)))
+    lens = rng.integers(32, mixed_max_prompt + 1, ARRIVING * batch)
+    mixed = ([rng.integers(2, hi, n) for n in lens], list(rng.integers(16, 257, ARRIVING * batch)))
     return fixed, mixed
 
 
-def mixed_limit(step_s: float, prompts, outputs, params: int, peak_flops: float) -> float:
-    """The mixed workload's limit estimate in seconds: the longest output's decode steps at the raw step
-    time, plus the prompts' matmul FLOPs (2 x parameters per token) at the chip's peak."""
+def matmul_params(model) -> int:
+    """Parameters each token is multiplied by: the matrices (2-D and up; norms and int8 scales are
+    elementwise), without the embedding table, which a token only gathers a row of, unless the table is
+    also the LM head (tied), where it is multiplied once, as the head."""
+    import jax
+    from flax import nnx
+
+    total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if x.ndim >= 2)
+    if model.lm_head is not None:  # untied: the table is gathered only
+        total -= model.model.embed_tokens.embedding[...].size
+    return int(total)
+
+
+def matmul_peak(n: int = 8192, dtype: str = "bfloat16", repeats: int = 5) -> float:
+    """The device's measured matmul rate in FLOP/s: a jitted n x n x n product of ``dtype``, the best of
+    ``repeats`` (the chip's own figure, not its datasheet's)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), dtype) * 0.5
+    b = jnp.ones((n, n), dtype) * 0.25
+    f = jax.jit(lambda x, y: x @ y)
+    jax.block_until_ready(f(a, b))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def mixed_limit(step_s: float, prompts, outputs, params: int, peak_flops: float, slots: int) -> float:
+    """The mixed workload's limit, an estimate in seconds: its decode steps at the raw loop's step time
+    (the longest output's, or every output token spread over full slots, whichever is more), plus the
+    prompts' matmul FLOPs (2 x the multiplied parameters per token, `matmul_params`) at the measured
+    ``peak_flops``. Attention's FLOPs and prefill overlapping decode are left out: a yardstick, not a bound."""
+    steps = max(max(outputs), -(-sum(outputs) // slots))
     prefill = 2.0 * params * sum(len(p) for p in prompts) / peak_flops
-    return max(outputs) * step_s + prefill
+    return steps * step_s + prefill

@@ -36,5 +36,12 @@ def test_tiny_shape_on_cpu(tmp_path):
     assert report["programs"] > 10 and not late & set(report["pool"]), report
     assert [p["rows"] for p in run["prefill"]][0] == 1
     assert run["busy_rows"]["fixed"]["tokens"] == 64 * 32
+    # mixed: arriving traffic, twice the slots' requests; its limit an estimate at the measured matmul peak
+    mixed = run["mixed"]
+    assert len(mixed["ttfts"]) == 128 and mixed["cancelled"] == 0 and mixed["vs_limit"] > 0
+    worker = json.loads((tmp_path / "tiny.json").read_text())
+    assert worker["matmul_peak_measured"] and worker["matmul_peak_flops"] > 1e8
+    assert worker["matmul_params"] < worker["params"]  # the untied embedding table is gathered
     table = (tmp_path / "tpu_bench.md").read_text()
     assert "| tiny | vdriver |" in table and "raw walk ms" in table and "busy prefill calls" in table
+    assert "its limit is an estimate" in table and "measured on the device" in table
