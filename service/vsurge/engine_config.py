@@ -222,12 +222,9 @@ class EngineConfig:
     max_concurrent_decodes: int = knob(
         16,
         "decode slots (concurrent sequences)",
-        check=at_least(1),
-        serve=True,
-        text=parse_int,
-        metavar="N",
-        limits=(1, 4096),
-    )
+        check=at_least(1), serve=True, text=parse_int, metavar="N", limits=(1, 4096),
+        shown="sized from the device's memory (vsurge/sizing.py; 16 from Python)",
+    )  # fmt: skip
     max_concurrent_prefill: int | None = knob(
         None,
         "prompts one prefill call may pack together (vdriver; 16 while streams decode)",
@@ -244,7 +241,7 @@ class EngineConfig:
         serve=True,
         text=parse_int,
         metavar="N",
-        shown=f"the model's context, at most {MAX_LENGTH_CAP}",
+        shown=f"the model's context, at most {MAX_LENGTH_CAP} (serve: less if memory is short)",
         limits=(16, 1048576),
     )
     prefill_lengths: tuple[int, ...] | None = knob(
@@ -307,7 +304,8 @@ class EngineConfig:
     )
     hbm_utilization: float = knob(
         0.6,
-        "fraction of free device memory for KV pages (odriver)",
+        "fraction of the device memory the weights leave that the KV cache may take: odriver's pages, and "
+        "vsurge serve's default slots and context (vsurge/sizing.py)",
         check=_fraction,
         serve=True,
         text=parse_float,
