@@ -160,3 +160,18 @@ def test_a_stale_socket_file_is_replaced_and_a_live_one_refused(tiny_dir):
             _clear_stale_socket(path)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_uds_option_and_its_metrics_default():
+    from vsurge.serve_options import parse_serve_config
+
+    cfg = parse_serve_config(["--uds", "/run/v.sock"], {})
+    assert cfg.uds == "/run/v.sock" and cfg.resolved_metrics_port == -1  # no port opened: /metrics on it
+    assert parse_serve_config([], {"VSURGE_UDS": "/run/w.sock"}).uds == "/run/w.sock"
+    assert (
+        parse_serve_config(["--uds", "/run/v.sock", "--metrics-port", "9100"], {}).resolved_metrics_port
+        == 9100
+    )
+    assert (
+        parse_serve_config([], {}).uds is None and parse_serve_config([], {}).resolved_metrics_port == 11557
+    )
