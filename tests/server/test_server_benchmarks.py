@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,34 @@ def test_serve_sweep_over_a_unix_socket_with_a_peer_and_the_engine_only_run(tiny
     assert table.count("| vsurge |") == 3 and table.count("| peer |") == 3
     row = next(line for line in table.splitlines() if line.startswith("| vsurge | rate inf/s"))
     assert row.count("|") == 16 and "|  |" not in row  # the engine-only figures and both ratios beside it
+
+
+def test_sweep_parts_against_the_running_server(base_url, server):
+    """The quick loop's share of `--serve` (the whole sweep is slow-listed): prose jobs through the openai
+    client and the Poisson schedule against the session's server, measured and tabled."""
+    serving = load("serving")
+    sweep, uds = sys.modules["serving_sweep"], sys.modules["serving_uds"]
+    jobs = serving.prose_jobs(6, (8, 16), (3, 6), 1)
+    args = serving.parse_args(["--serve", "--rates", "50,inf", "--sweep-concurrency", "3"])
+
+    async def run():
+        client = uds.openai_client(base_url, None, None, 60)
+        one = uds.openai_caller(client, MODEL, 0.0, True)
+        try:
+            out = []
+            for label, rate, conc in sweep.workloads(args, 8):
+                deadline = time.perf_counter() + 120
+                got = await uds.schedule(one, jobs, concurrency=conc, rate=rate, seed=1, deadline=deadline)
+                out.append(dict(workload=label, **sweep.measured(args, *got, 0.5)))
+            return out
+        finally:
+            await client.close()
+
+    rows = asyncio.run(run())
+    assert [r["workload"] for r in rows] == ["rate 50/s", "rate inf/s", "3 in flight"]
+    for r in rows:
+        assert r["completed"] == 6 and r["output_tokens"] == sum(j.max_tokens for j in jobs), r
+        assert r["cpu_ms_per_token"] == pytest.approx(500 / r["output_tokens"])
+    text = sweep.table(dict(servers=[dict(server="x", rows=rows, slots=8, ready_s=0)], requests=6,
+                            prose_words=(8, 16), output_tokens=(3, 6), slo=dict(ttft_ms=1000, tpot_ms=50)))  # fmt: skip
+    assert text.count("| x |") == 3
