@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -208,7 +209,18 @@ def engine_only(args, jobs: list[Job], runs) -> dict[str, Any]:
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     jobs = prose_jobs(args.num_requests, args.prose_words, args.output_tokens, args.seed)
     folder = args.uds_dir or tempfile.mkdtemp(prefix="vsurge-sweep-", dir="/tmp")  # AF_UNIX: <= 107 bytes
-    args.log_dir = args.peers_log_dir or folder
+    args.log_dir = args.peers_log_dir or args.out_dir or folder
+    if args.out_dir:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        return _sweep(args, jobs, folder)
+    finally:
+        # the sockets' folder was ours and the logs are elsewhere: nothing in it to keep
+        if not args.uds_dir and args.log_dir != folder:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep(args: argparse.Namespace, jobs: list[Job], folder: str) -> dict[str, Any]:
     uds = os.path.join(folder, "vsurge.sock")
     argv = [sys.executable, "-m", "vsurge.cli", "serve", "--model", args.model, "--uds", uds,
             "--log-level", "warning", *shlex.split(args.vsurge_args)]  # fmt: skip

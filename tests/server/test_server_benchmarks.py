@@ -124,6 +124,8 @@ def test_serve_sweep_over_a_unix_socket_with_a_peer_and_the_engine_only_run(tiny
     assert table.count("| vsurge |") == 3 and table.count("| peer |") == 3
     row = next(line for line in table.splitlines() if line.startswith("| vsurge | rate inf/s"))
     assert row.count("|") == 16 and "|  |" not in row  # the engine-only figures and both ratios beside it
+    assert (tmp_path / "vsurge.log").exists() and (tmp_path / "peer.log").exists()  # logs kept with the table
+    assert Path(vs["log"]).parent == tmp_path
 
 
 def test_sweep_parts_against_the_running_server(base_url, server):
