@@ -10,7 +10,7 @@ ARGS ?=
 TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
-.PHONY: install test-deps serve test test-fast test-cluster bench lint clean
+.PHONY: install test-deps serve test test-fast test-cluster bench guard lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ test-cluster: test-deps
 
 bench: test-deps
 	$(PY) benchmarks/engine.py $(ARGS)
+
+# The CPU speed guard: every hot path against the raw jitted loop, ratios in one process; fails below 0.5x
+# (benchmarks/ratio_guard.py). .ci/run runs it as its own stage, alone on the machine: beside the suite's
+# workers the two sides of a ratio would be timed under different loads.
+guard: install
+	$(PY) benchmarks/ratio_guard.py $(ARGS)
 
 lint: test-deps
 	$(VENV)/bin/ruff check .

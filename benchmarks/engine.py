@@ -106,7 +106,7 @@ def raw_decode_loop(model, batch: int, prompt_len: int, steps: int) -> float:
         nxt = jnp.argmax(m.compute_logits(hidden[:, 0]), axis=-1).astype(jnp.int32)
         return tuple(tuple(c) for c in caches), nxt, pos + 1
 
-    shape = (batch, kv_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, kv_len, cfg.num_kv_heads * cfg.head_dim)  # flat rows, as vEngine keeps its cache
     caches = tuple(
         (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)) for _ in range(cfg.num_layers)
     )

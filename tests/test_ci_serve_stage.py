@@ -4,6 +4,7 @@ never leaves the server running. The real run of the stage (real make serve, rea
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -109,6 +110,7 @@ def stage(tmp_path):
             FAKE_SERVER_PY=str(tmp_path / "fake_server.py"),
             FAKE_PIDFILE=str(pidfile),
             CI_SERVE_READY_TIMEOUT="60",
+            CI_SERVE_SPEED="0",  # the fake server streams nothing; .ci/run's real stage checks the speed
         )
         proc = subprocess.run(
             ["bash", str(work / ".ci" / "serve")], capture_output=True, text=True, env=env, timeout=180
@@ -159,3 +161,13 @@ def test_stage_fails_and_leaves_nothing_running(stage, mode, message):
     assert _gone(pid), "the stage left the server running"
     assert time.monotonic() - start < 90
     assert not _port_in_use()
+
+
+def test_the_speed_check_times_the_readmes_own_request():
+    """.ci/serve_speed.py sends the README's curl body (read from README.md), not a request of its own."""
+    sys.path.insert(0, str(REPO / ".ci"))
+    import serve_speed
+    from readme_example import curl_example
+
+    body = serve_speed.readme_body()
+    assert body["messages"] and body["model"] and json.dumps(body["messages"])[1:-1] in curl_example()
