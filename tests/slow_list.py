@@ -37,6 +37,8 @@ SLOW: dict[str, str] = {
     "tests/service/test_lora_paths.py::test_three_adapters_and_the_base_match_transformers[ngram]": "10 s",
     "tests/service/test_lora.py::test_three_adapters_and_the_base_in_one_batch_match_transformers[odriver]": "8 s",
     "tests/service/test_lora.py::test_eviction_unload_while_in_use_and_no_leak[odriver]": "7 s",
+    # the whole-cache copy check: vEngine's programs stay quick, oEngine's mixed programs are many
+    "tests/service/test_cache_copies.py::test_no_program_copies_a_whole_cache[oEngine]": "40 s",
     # the step lane: subprocess groups that wait out a lane timeout
     "tests/service/test_multihost_lane.py::test_a_slow_leader_is_waited_for_while_it_beats": "17 s",
     "tests/service/test_multihost_lane.py::test_the_worker_replays_every_call_and_a_silent_worker_breaks_the_lane": "10 s",
