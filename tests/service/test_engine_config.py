@@ -151,7 +151,10 @@ def test_help_shows_the_engine_defaults(capsys):
     with pytest.raises(SystemExit):
         parse_serve_config(["--help"], {})
     out = " ".join(capsys.readouterr().out.split())
-    assert "(default: sized from the device's memory (vsurge/sizing.py; 16 from Python)) [env VSURGE_MAX_CONCURRENT_DECODES]" in out
+    assert (
+        "(default: sized from the device's memory (vsurge/sizing.py; 16 from Python)) [env VSURGE_MAX_CONCURRENT_DECODES]"
+        in out
+    )
     assert "(default: 894) [env VSURGE_SEED]" in out
 
 
