@@ -171,7 +171,7 @@ def test_invocations_dispatches_chat_and_completion_bodies(http):
     with http.stream("POST", "/invocations", json={**comp, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
-    bad = http.post("/invocations", json={"model": MODEL, "input": "x"})
+    bad = http.post("/invocations", json={"model": MODEL, "text": "x"})  # "input" is an embeddings body
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
 
 
