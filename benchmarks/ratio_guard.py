@@ -243,7 +243,8 @@ def failures(checks: list[dict], fail: float) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--passes", type=int, default=2)
+    # best of three: a run of two passes once measured oDriver x8 at 0.59x, where three gave 0.87x
+    ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--fail", type=float, default=0.5, help="fail when a ratio is below this")
     ap.add_argument("--only", nargs="+", choices=sorted(TARGETS), help="run these checks only")
     ap.add_argument("--json", help="also write the checks here")

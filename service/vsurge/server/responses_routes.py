@@ -221,54 +221,47 @@ class ResponsesRoutes:
 
         return SSEResponse(body(), cleanup=cleanup)
 
-    async def responses_get(self, request: Request) -> Response:
-        """GET /v1/responses/{response_id}: a stored response (in progress or finished)."""
+    def _stored(self, request: Request, call: Any, span: str, delete: bool) -> tuple[str, Any]:
+        """(response id, stored response) of a GET/DELETE/cancel: authorized, found (or removed, with
+        ``delete``), its span started; a missing one raises 404."""
+        self._check_auth(request)
+        rid = request.path_params["response_id"]
+        stored = self.responses_store.get(rid)
+        if stored is None or (delete and not self.responses_store.delete(rid)):
+            raise _not_found(rid)
+        call.model = stored.response.get("model", "")
+        call.start_span(span, call.model)
+        return rid, stored
+
+    async def _stored_route(self, request: Request, span: str, act: Any, *, delete: bool = False) -> Response:
+        """One route on /v1/responses/{response_id}, counted under that template (not per id)."""
         call = self._call(request)
         call.label = request.url.path.replace(request.path_params.get("response_id", ""), "{response_id}")
         try:
-            self._check_auth(request)
-            rid = request.path_params["response_id"]
-            stored = self.responses_store.get(rid)
-            if stored is None:
-                raise _not_found(rid)
-            call.model = stored.response.get("model", "")
-            call.start_span("responses.retrieve", call.model)
+            answer = act(*self._stored(request, call, span, delete))
             call.close(200)
-            return _json(stored.response)
+            return _json(answer)
         except Exception as exc:
             return call.fail(exc)
+
+    async def responses_get(self, request: Request) -> Response:
+        """GET /v1/responses/{response_id}: a stored response (in progress or finished)."""
+        return await self._stored_route(request, "responses.retrieve", lambda rid, stored: stored.response)
 
     async def responses_delete(self, request: Request) -> Response:
         """DELETE /v1/responses/{response_id}."""
-        call = self._call(request)
-        call.label = request.url.path.replace(request.path_params.get("response_id", ""), "{response_id}")
-        try:
-            self._check_auth(request)
-            rid = request.path_params["response_id"]
-            stored = self.responses_store.get(rid)
-            if stored is None or not self.responses_store.delete(rid):
-                raise _not_found(rid)
-            call.model = stored.response.get("model", "")
-            call.start_span("responses.delete", call.model)
+
+        def delete(rid: str, stored: Any) -> dict:
             if stored.cancel is not None:
                 stored.cancel()
-            call.close(200)
-            return _json({"id": rid, "object": "response.deleted", "deleted": True})
-        except Exception as exc:
-            return call.fail(exc)
+            return {"id": rid, "object": "response.deleted", "deleted": True}
+
+        return await self._stored_route(request, "responses.delete", delete, delete=True)
 
     async def responses_cancel(self, request: Request) -> Response:
         """POST /v1/responses/{response_id}/cancel: stops a response that is still running."""
-        call = self._call(request)
-        call.label = request.url.path.replace(request.path_params.get("response_id", ""), "{response_id}")
-        try:
-            self._check_auth(request)
-            rid = request.path_params["response_id"]
-            stored = self.responses_store.get(rid)
-            if stored is None:
-                raise _not_found(rid)
-            call.model = stored.response.get("model", "")
-            call.start_span("responses.cancel", call.model)
+
+        def cancel(rid: str, stored: Any) -> dict:
             if stored.cancel is None:
                 raise errors.invalid_request(
                     f"Cannot cancel response '{rid}': its status is {stored.response.get('status')!r}.",
@@ -277,7 +270,6 @@ class ResponsesRoutes:
             stored.cancel()
             stored.cancel = None
             stored.response = {**stored.response, "status": "cancelled"}
-            call.close(200)
-            return _json(stored.response)
-        except Exception as exc:
-            return call.fail(exc)
+            return stored.response
+
+        return await self._stored_route(request, "responses.cancel", cancel)
