@@ -67,12 +67,7 @@ def network_policy(model: ModelSpec, access: Access) -> dict[str, Any] | None:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": {
-            "name": model.name,
-            "namespace": model.namespace,
-            "labels": labels.labels(model),
-            "ownerReferences": [labels.owner_reference(model)],
-        },
+        "metadata": labels.owned_metadata(model),
         "spec": {
             "podSelector": {"matchLabels": labels.selector_labels(model)},
             "policyTypes": ["Ingress"],

@@ -29,12 +29,7 @@ def _budget(model: ModelSpec, name: str, selector: dict[str, str], extra: dict[s
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": {
-            "name": name,
-            "namespace": model.namespace,
-            "labels": {**labels.labels(model), **extra},
-            "ownerReferences": [labels.owner_reference(model)],
-        },
+        "metadata": labels.owned_metadata(model, name, extra),
         "spec": {
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector},

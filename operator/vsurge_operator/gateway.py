@@ -51,12 +51,7 @@ def inference_pool(model: ModelSpec, defaults: PoolDefaults) -> dict[str, Any] |
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {
-            "name": model.name,
-            "namespace": model.namespace,
-            "labels": labels.labels(model),
-            "ownerReferences": [labels.owner_reference(model)],
-        },
+        "metadata": labels.owned_metadata(model),
         "spec": {
             "selector": {"matchLabels": labels.serving_selector(model)},
             "targetPorts": [{"number": HTTP_PORT}],

@@ -69,3 +69,16 @@ def owner_reference(model: ModelSpec) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+def owned_metadata(
+    model: ModelSpec, name: str | None = None, extra_labels: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Metadata of an object the model owns: its name (the model's unless given), namespace, labels (plus
+    ``extra_labels``) and the owner reference that makes Kubernetes delete it with the model."""
+    return {
+        "name": model.name if name is None else name,
+        "namespace": model.namespace,
+        "labels": {**labels(model), **(extra_labels or {})},
+        "ownerReferences": [owner_reference(model)],
+    }

@@ -45,12 +45,7 @@ def name(model: ModelSpec) -> str:
 
 
 def _metadata(model: ModelSpec) -> dict[str, Any]:
-    return {
-        "name": name(model),
-        "namespace": model.namespace,
-        "labels": labels.labels(model),
-        "ownerReferences": [labels.owner_reference(model)],
-    }
+    return labels.owned_metadata(model, name(model))
 
 
 def secret(model: ModelSpec, data: bytes | None = None) -> dict[str, Any]:

@@ -56,12 +56,7 @@ def cache_key_secret(model: ModelSpec, data: bytes | None = None) -> dict[str, A
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {
-            "name": cache_key_name(model),
-            "namespace": model.namespace,
-            "labels": labels.labels(model),
-            "ownerReferences": [labels.owner_reference(model)],
-        },
+        "metadata": labels.owned_metadata(model, cache_key_name(model)),
         "type": "Opaque",
         "data": {CACHE_KEY: base64.b64encode(text).decode()},
     }
