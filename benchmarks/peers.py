@@ -28,6 +28,7 @@ BF16_ARGS = [*BF16_KV_ARGS, "--prefill-dtype", "bfloat16", "--decode-dtype", "bf
 # `vsurge serve` arguments of each vSurge server: a driver, n-gram speculative decoding (K draft tokens per
 # step), a bfloat16 KV cache, bfloat16 prefill and decode matmuls as well, and combinations
 VSURGE_MODES = {
+    "vsurge-default": [],  # `vsurge serve` as a user starts it: slots, context and buckets its own defaults
     "vsurge-vdriver": ["--driver", "vdriver"],
     "vsurge-odriver": ["--driver", "odriver"],
     "vsurge-ngram": ["--driver", "vdriver", *NGRAM_ARGS],
@@ -115,9 +116,13 @@ def discover(opts: Any, concurrency: int) -> list[Peer | Skipped]:
             argv = _vsurge_argv() + [
                 "serve", "--model", opts.model, *mode,
                 "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1",
-                "--max-concurrent-decodes", str(concurrency), "--max-length", str(CONTEXT_PER_SEQUENCE),
-                "--prefill-lengths", VSURGE_PREFILL_LENGTHS, "--drain-timeout", "5", "--log-level", "warning",
+                "--drain-timeout", "5", "--log-level", "warning",
             ]  # fmt: skip
+            if name != "vsurge-default":
+                argv += [
+                    "--max-concurrent-decodes", str(concurrency), "--max-length", str(CONTEXT_PER_SEQUENCE),
+                    "--prefill-lengths", VSURGE_PREFILL_LENGTHS,
+                ]  # fmt: skip
             out.append(Peer(name, argv + shlex.split(opts.vsurge_args or ""), port, "/readiness"))
         elif name == "vllm":
             binary = _binary(opts.vllm, "VLLM_BIN", "vllm")

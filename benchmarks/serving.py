@@ -41,7 +41,7 @@ from serving_peers import _peers_module, peers_run  # noqa: E402, F401
 from serving_report import RequestResult, _fmt, _stats, summarize  # noqa: E402, F401
 from serving_sweep import add_sweep_arguments, run_sweep, table  # noqa: E402
 from serving_uds import prose_jobs  # noqa: E402, F401
-from serving_workloads import PRESETS, WORDS, Job, Preset, as_jobs, make_jobs, make_prompts  # noqa: E402, F401
+from serving_workloads import PRESETS, PROSE, WORDS, Job, Preset, as_jobs, make_jobs, make_prompts  # noqa: E402, F401
 
 # ------------------------------------------------------------------------------------------ compare
 

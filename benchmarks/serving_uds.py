@@ -25,23 +25,19 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # siblings, run as a script or via runpy
 
 from serving_report import RequestResult  # noqa: E402
-from serving_workloads import Job  # noqa: E402
+from serving_workloads import Job, prose_passage  # noqa: E402
 
-PROSE = Path(__file__).resolve().parent / "data" / "prose.txt"
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def prose_jobs(n: int, words: tuple[int, int], outputs: tuple[int, int], seed: int) -> list[Job]:
     """n requests: each a passage of words[0]..words[1] words of the prose from a random place (wrapping
     round), asked to be continued, with max_tokens drawn from outputs (inclusive ranges)."""
-    text = PROSE.read_text().split()
     rng = random.Random(seed)
     jobs = []
     for _ in range(n):
-        k, start = rng.randint(*words), rng.randrange(len(text))
-        passage = " ".join(text[(start + i) % len(text)] for i in range(k))
-        prompt = f"Continue this passage from a novel, in the same style:\n\n{passage}"
-        jobs.append(Job(prompt=prompt, max_tokens=rng.randint(*outputs), prompt_words=k))
+        k = rng.randint(*words)
+        jobs.append(Job(prompt=prose_passage(rng, k), max_tokens=rng.randint(*outputs), prompt_words=k))
     return jobs
 
 

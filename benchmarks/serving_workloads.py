@@ -1,10 +1,18 @@
-"""The serving benchmark's workloads: random-word prompts, jobs with their own max_tokens, and the named
-presets (issue 14's arriving traffic with long prompts among them)."""
+"""The serving benchmark's workloads: random-word prompts, passages of real prose, jobs with their own
+max_tokens, and the named presets (arriving traffic with long prompts; the CPU like-for-like pair).
+
+The prose is the opening of Jane Austen's *Pride and Prejudice* (1813, public domain; benchmarks/data/
+prose.txt, 5 KB): a prose request asks to continue a passage of it, so prompts are natural text and,
+through the chat template, answers end where the model says so (EOS), as in real chat traffic.
+"""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
+
+PROSE = Path(__file__).resolve().parent / "data" / "prose.txt"
 
 WORDS = [
     "the",
@@ -99,7 +107,8 @@ class Preset:
     ignore_eos: bool = True
     temperature: float = 0.0
     # random: random words; quote: a passage of random words given twice and asked for a third time
-    # (the output repeats its context, as in summarising, quoting or editing: n-gram speculation's case)
+    # (the output repeats its context, as in summarising, quoting or editing: n-gram speculation's case);
+    # prose: a passage of real prose to be continued (prompt_tokens counts its words)
     prompts: str = "random"
 
 
@@ -137,7 +146,36 @@ PRESETS: dict[str, Preset] = {
         max_tokens=(64, 192),
         prompts="quote",
     ),
+    # The CPU like-for-like pair (docs/performance.md, "CPU against peers"): the same 48 requests at 24 in
+    # flight on every server, one run of random prompts that generate exactly max_tokens, one of chat.
+    "random-24": Preset(
+        "48 streaming /v1/completions, 24 in flight, prompts 32-512 tokens of random words, max_tokens "
+        "16-256, ignore_eos, temperature 0",
+        num_requests=48,
+        concurrency=24,
+        prompt_tokens=(32, 512),
+        max_tokens=(16, 256),
+    ),
+    "chat-24": Preset(
+        "48 streaming /v1/chat/completions, 24 in flight: continue a passage of 32-384 words of real prose, "
+        "max_tokens 64-256, answers end at EOS, temperature 0",
+        num_requests=48,
+        concurrency=24,
+        prompt_tokens=(32, 384),
+        max_tokens=(64, 256),
+        endpoint="chat",
+        ignore_eos=False,
+        prompts="prose",
+    ),
 }
+
+
+def prose_passage(rng: random.Random, words: int) -> str:
+    """A request to continue ``words`` words of the prose taken from a random place (wrapping round)."""
+    text = PROSE.read_text().split()
+    start = rng.randrange(len(text))
+    passage = " ".join(text[(start + i) % len(text)] for i in range(words))
+    return f"Continue this passage from a novel, in the same style:\n\n{passage}"
 
 
 def make_jobs(
@@ -159,6 +197,11 @@ def make_jobs(
     jobs = []
     for _ in range(n):
         words = rng.randint(*prompt_tokens)
+        if prompts == "prose":
+            jobs.append(
+                Job(prompt=prose_passage(rng, words), max_tokens=rng.randint(*max_tokens), prompt_words=words)
+            )
+            continue
         text = " ".join(rng.choice(WORDS) for _ in range(words))
         if prompts == "quote":
             text = f"Text: {text}\nThe same text again: {text}\nThe same text once more:"

@@ -34,6 +34,32 @@ def test_presets_are_the_issue_workload():
     assert serving.workload(serving.parse_args(["--preset", "mixed-32", "--seed", "1"])) != jobs
 
 
+def test_the_cpu_like_for_like_pair():
+    """random-24 and chat-24: the same 48 requests at 24 in flight; chat continues real prose and ends at EOS."""
+    r, c = serving.parse_args(["--preset", "random-24"]), serving.parse_args(["--preset", "chat-24"])
+    assert (r.num_requests, r.concurrency, r.endpoint, r.ignore_eos) == (48, 24, "completions", True)
+    assert (c.num_requests, c.concurrency, c.endpoint, c.ignore_eos) == (48, 24, "chat", False)
+    prose = set(serving.PROSE.read_text().split())
+    jobs = serving.workload(c)
+    assert len(jobs) == 48 and all(32 <= j.prompt_words <= 384 and 64 <= j.max_tokens <= 256 for j in jobs)
+    for j in jobs:
+        head, passage = j.prompt.split("\n\n", 1)
+        assert head.startswith("Continue this passage") and len(passage.split()) == j.prompt_words
+        assert set(passage.split()) <= prose
+    # the sweep's prose requests are the same draws as the preset's
+    again = serving.prose_jobs(48, (32, 384), (64, 256), c.seed)
+    assert [(j.prompt, j.max_tokens) for j in again] == [(j.prompt, j.max_tokens) for j in jobs]
+
+
+def test_vsurge_default_peer_runs_serve_with_its_own_defaults():
+    args = serving.parse_args(
+        ["--peers", "--preset", "chat-24", "--servers", "vsurge-default,vsurge-vdriver"]
+    )
+    default, sized = peers.discover(args, args.concurrency)
+    assert "--max-concurrent-decodes" not in default.argv and "--max-length" not in default.argv
+    assert sized.argv[sized.argv.index("--max-concurrent-decodes") + 1] == "24"
+
+
 def test_preset_shaped_run_against_the_server(base_url):
     """Per-request max_tokens with ignore_eos: every answer is exactly as long as its own job asked."""
     args = serving.parse_args(["--base-url", base_url, "--preset", "mixed-32", "--concurrency", "4"])
