@@ -38,9 +38,8 @@ def save(path: str | None) -> None:
 # ------------------------------------------------------------------------------------------ roofline
 
 
-from tpu_probes import Timeline, busy_rows_experiment, prefill_probe  # noqa: E402
+from tpu_instruments import StartBreakdown, Timeline, busy_rows_experiment, prefill_probe  # noqa: E402
 from tpu_raw import kv_bytes_per_token, param_count, raw_loop, weight_read_bytes  # noqa: E402
-from tpu_start_breakdown import StartBreakdown  # noqa: E402
 from tpu_workloads import matmul_params, matmul_peak, mixed_limit, run_requests, workloads  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ engines

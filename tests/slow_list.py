@@ -23,7 +23,6 @@ SLOW: dict[str, str] = {
     "tests/service/test_gguf_tokenizer.py::test_encode_equals_transformers_without_digits": "7 s",
     "tests/service/test_device_check.py::test_reduced_run": "21 s: the whole device benchmark, reduced",
     "tests/service/test_tpu_bench.py::test_tiny_shape_on_cpu": "60 s: the whole TPU benchmark, tiny shape",
-    "tests/service/test_tpu_probe_layer_scan.py::test_reduced_scan_matches_unrolled": "9 s: the layer-scan probe, reduced",
     # TPU lowering: the 1-chip programs of each driver stay quick; the 8-chip and 8B variants are slow
     "tests/service/test_tpu_export.py::test_each_kind_of_program_lowers_for_tpu[smollm2-135m-vdriver-8chips]": "21 s",
     "tests/service/test_tpu_export.py::test_each_kind_of_program_lowers_for_tpu[smollm2-135m-vdriver+features-8chips]": "19 s",
