@@ -40,7 +40,8 @@ test-fast: test-deps
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(ARGS)
 
 # Only the tests on real Kubernetes API servers (etcd + kube-apiserver 1.20 + apiextensions 0.36 + kcm from
-# ../shared/k8s, on loopback); `make test` runs them too whenever ../shared/k8s is there.
+# ../shared/k8s, on loopback); `make test` runs them too whenever ../shared/k8s is there (without it they are
+# skipped, or under CI=true failed: tests/needs_kit.py).
 test-cluster: test-deps
 	$(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
 

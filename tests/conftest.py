@@ -120,8 +120,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("tests/slow_list.py names tests that were not collected: " + ", ".join(gone))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test whose kit is missing under CI=true fails here, before its fixtures start anything."""
+    from needs_kit import fail_marked
+
+    fail_marked(item)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     import file_seconds
+    from needs_kit import MARKER
+
+    config.addinivalue_line(
+        "markers", f"{MARKER}: the test's kit is missing under CI=true (tests/needs_kit.py)"
+    )
 
     # its own plugin: a second collection hook, after -m has deselected (this one runs before)
     config.pluginmanager.register(file_seconds, "file_seconds")

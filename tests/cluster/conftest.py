@@ -4,7 +4,8 @@
 apiextensions-apiserver 0.36 (CRDs with CEL) and kube-controller-manager on loopback. One cluster per
 session: ``up`` into a temporary folder with the InferenceModel CRD and the kit's LeaderWorkerSet CRD,
 ``down`` in ``finally`` (and ``--owner-pid`` stops it should pytest be killed). Every test here carries the
-``cluster`` marker; without the kit they are skipped, and the reason is printed at the end of the run.
+``cluster`` marker; without the kit they are skipped, and the reason is printed at the end of the run (under
+``CI=true`` they fail instead: tests/needs_kit.py).
 The kit folder is only read: its binaries are unpacked into ``K8SKIT_BIN_DIR`` (a temp folder by default).
 """
 
@@ -32,14 +33,19 @@ for _extra in (str(REPO / "operator"), str(REPO / "tests"), str(REPO / "tests" /
         sys.path.insert(0, _extra)
 
 from clusterkit import KIT  # noqa: E402 - after the sys.path lines above
+from needs_kit import missing, skip_or_fail  # noqa: E402
 
 CRD_FILE = REPO / "helm" / "vsurge" / "crds" / "inferencemodels.vsurge.io.yaml"
 LWS_CRD_FILE = KIT / "crds" / "leaderworkersets.leaderworkerset.x-k8s.io.yaml"
 
 
+def _opted_out() -> bool:
+    return os.environ.get("K8SKIT") == "0"
+
+
 def skip_reason() -> str | None:
     """Why the cluster tests cannot run here, or None when they can."""
-    if os.environ.get("K8SKIT") == "0":
+    if _opted_out():
         return "K8SKIT=0 is set"
     if not (KIT / "up").exists():
         return f"no Kubernetes test kit at {KIT} (../shared/k8s beside the repository, or K8SKIT_HOME)"
@@ -55,12 +61,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # boots etcd + kube-apiserver + controllers: make test-fast skips it
         item.add_marker(pytest.mark.slow)
         if reason:
-            item.add_marker(pytest.mark.skip(reason=f"cluster test skipped: {reason}"))
+            why = f"cluster test needs the kit: {reason}"
+            # K8SKIT=0 is a choice, said on the command line: skipped even under CI=true
+            item.add_marker(pytest.mark.skip(reason=why) if _opted_out() else missing(why))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     skipped = [
-        r for r in terminalreporter.stats.get("skipped", []) if "cluster test skipped" in str(r.longrepr)
+        r
+        for r in terminalreporter.stats.get("skipped", [])
+        if "cluster test needs the kit" in str(r.longrepr)
     ]
     if skipped:
         terminalreporter.write_line(f"{len(skipped)} cluster tests skipped: {skip_reason()}", yellow=True)
@@ -167,7 +177,9 @@ class Cluster:
 def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     reason = skip_reason()
     if reason:  # only reached when a test outside tests/cluster asks for the fixture
-        pytest.skip(reason)
+        if _opted_out():
+            pytest.skip(reason)
+        skip_or_fail(reason)
     run_dir = tmp_path_factory.mktemp("k8s")
     bin_dir = os.environ.get("K8SKIT_BIN_DIR") or os.path.join(tempfile.gettempdir(), "k8skit-bin")
     cmd = [str(KIT / "up"), str(run_dir), "--owner-pid", str(os.getpid()), "--quiet"]
