@@ -73,10 +73,10 @@ def _per_token(fn, n: int, repeat: int = 3) -> float:
 
 def micro(tok: Any, n: int = 2000) -> dict[str, float]:
     """Seconds per token of each host stage (see the module docstring)."""
+    from vsurge.contracts.sampling_params import SamplingParams
     from vsurge.drivers.active_request import ActiveRequest, ReturnChannel
     from vsurge.drivers.detokenize import IncrementalDetokenizer, StopStringMatcher
     from vsurge.drivers.pipeline import Pipeline
-    from vsurge.sampling_params import SamplingParams
     from vsurge.server.shaping import ChunkWriter, TokenDecoder
 
     prompt = _sentence_ids(tok, 200, seed=1)
@@ -210,7 +210,7 @@ def tiny_random_model(vocab: int, layers: int = 2, hidden: int = 64) -> Any:
 def device_step(engine: Any, slots: int, steps: int = 20) -> tuple[float, float]:
     """(wall seconds, CPU seconds of every thread) per decode step of `engine` with every slot live,
     alone in a loop. The CPU figure compares with the host figures whatever else loads the machine."""
-    from vsurge.sampling_params import SamplingParams
+    from vsurge.contracts.sampling_params import SamplingParams
 
     state = engine.init_decode_state()
     prefix = engine.prefill([1] * 16, SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True))
@@ -231,7 +231,7 @@ def device_step(engine: Any, slots: int, steps: int = 20) -> tuple[float, float]
 
 def serve_run(surge: Any, tok: Any, slots: int, tokens: int) -> dict[str, float]:
     """Every slot streams `tokens` tokens through vSurge.complete; chunks framed as the server does."""
-    from vsurge.request import vSurgeRequest
+    from vsurge.contracts.request import vSurgeRequest
     from vsurge.server.shaping import ChunkWriter, TokenDecoder
 
     decode = TokenDecoder(tok)

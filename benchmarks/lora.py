@@ -20,9 +20,9 @@ import jax
 import numpy as np
 
 from vsurge import EngineConfig, load_model, vEngine
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers.lora_adapters import LoraAdapters
 from vsurge.models.lora import TARGETS, target_shape
-from vsurge.sampling_params import SamplingParams
 
 BATCH, RANK, PROMPT = 32, 16, 16
 

@@ -165,7 +165,7 @@ def _time_decode(engine, steps: int) -> float:
     import jax
     import numpy as np
 
-    from vsurge.sampling_params import SamplingParams
+    from vsurge.contracts.sampling_params import SamplingParams
 
     state = engine.init_decode_state()
     prefix = engine.prefill([5, 17, 42, 99, 7], SamplingParams(temperature=0.0, max_tokens=steps + 8))
@@ -191,7 +191,7 @@ def child(args) -> None:
         model, tok, kw = _engine(args.model, mesh)
         print(json.dumps({"ms": _time_decode(vEngine(model, tok, **kw), args.steps)}), flush=True)
         return
-    from vsurge.engine_config import EngineConfig
+    from vsurge.contracts.engine_config import EngineConfig
     from vsurge.multihost import channel as ch
     from vsurge.multihost.engine_proxy import LeaderEngine, build_engine, engine_setup
     from vsurge.multihost.group import ProcessGroup, join

@@ -60,7 +60,7 @@ def build(model, tok, driver: str, **kw):
 
 
 def request(prompt, max_tokens):
-    from vsurge.request import vSurgeRequest
+    from vsurge.contracts.request import vSurgeRequest
 
     return vSurgeRequest(
         prompt=[int(x) for x in prompt],

@@ -79,7 +79,7 @@ def _vsurge_argv() -> list[str]:
     script = os.path.join(os.path.dirname(sys.executable), "vsurge")
     if os.path.exists(script):
         return [script]
-    return [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from vsurge.cli.main import main; sys.exit(main())"]
 
 
 # Where docs/performance.md's recipes install each peer, under the directory the reader chose as $PEERS.

@@ -294,7 +294,7 @@ def free_port() -> int:
 
 
 def vsurge() -> list[str]:
-    return [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from vsurge.cli.main import main; sys.exit(main())"]
 
 
 def serve_env() -> dict[str, str]:

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from vsurge.contracts.sampling_params import SamplingParams as SP
 from vsurge.engines.sampling import make_slot_sampling, sample, sampler_impl, seed_key_data
-from vsurge.sampling_params import SamplingParams as SP
 
 TOP = 20  # the engines' default num_top_logprobs
 POOL = 2  # distinct logit arrays per kind, cycled through the loop

@@ -168,8 +168,8 @@ def build_surge(args: argparse.Namespace) -> Any:
 def inprocess_caller(surge: Any, args: argparse.Namespace) -> Any:
     """`one(job) -> RequestResult` through `vSurge.complete`, timed as the HTTP client times a stream (the
     chat endpoint's prompt through the model's chat template, as the server would apply it)."""
-    from vsurge.request import vSurgeRequest
-    from vsurge.sampling_params import SamplingParams
+    from vsurge.contracts.request import vSurgeRequest
+    from vsurge.contracts.sampling_params import SamplingParams
 
     def params(job: Job) -> SamplingParams:
         return SamplingParams(

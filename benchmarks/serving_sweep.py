@@ -170,9 +170,9 @@ def engine_only(args, jobs: list[Job], runs) -> dict[str, Any]:
     """The same jobs through `vSurge.complete` in this process, built as `vsurge serve` builds its engine
     from the same flags (sized from the device the same way)."""
     import vsurge
-    from vsurge.cli import build_surge, size_engine
-    from vsurge.compilation_cache import enable_compilation_cache
-    from vsurge.serve_options import parse_serve_config
+    from vsurge.cli.main import build_surge, size_engine
+    from vsurge.cli.serve_options import parse_serve_config
+    from vsurge.models.compiled.compilation_cache import enable_compilation_cache
 
     cfg = parse_serve_config(["--model", args.model, *shlex.split(args.vsurge_args)])
     enable_compilation_cache()

@@ -68,8 +68,8 @@ def prompts(tok: Any, kind: str, rows: int, seed: int = 0) -> list[list[int]]:
 
 
 def run(eng: Any, spec: Any, ps: list[list[int]], tokens: int, k: int, use_spec: bool) -> dict[str, Any]:
+    from vsurge.contracts.sampling_params import SamplingParams
     from vsurge.engines.speculative import propose_ngram_batch
-    from vsurge.sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
     state = eng.init_decode_state()

@@ -125,7 +125,7 @@ def alone(engine: Any, rows: int, limit: int, reps: int = 5) -> float:
 def prefill_per_token(engine: Any, tokens: int = 128, reps: int = 3) -> float:
     import jax
 
-    from vsurge.sampling_params import SamplingParams
+    from vsurge.contracts.sampling_params import SamplingParams
 
     args = (engine.prefill_params, *engine._pack([[7] * tokens], [SamplingParams(max_tokens=1)], None))
     jax.block_until_ready(engine._prefill(*args))

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import vsurge
-from vsurge.sampling_params import SamplingParams
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.structured import GrammarCompiler, GrammarSpec
 from vsurge.surge import vSurge
 

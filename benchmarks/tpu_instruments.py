@@ -26,7 +26,7 @@ def prefill_probe(engine, params: int, peak_flops: float, repeats: int = 3) -> l
     (2 x parameters per token)."""
     import jax
 
-    from vsurge.sampling_params import SamplingParams
+    from vsurge.contracts.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     width = min(engine.prefill_pack_tokens, engine.max_prompt_length)

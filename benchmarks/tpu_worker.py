@@ -48,7 +48,7 @@ from tpu_workloads import matmul_params, matmul_peak, mixed_limit, run_requests,
 def engine_config(
     path: str, batch: int, max_length: int, decode_steps: int | None = None, kv_cache_bytes: int | None = None
 ):
-    from vsurge.engine_config import EngineConfig
+    from vsurge.contracts.engine_config import EngineConfig
 
     kw: dict[str, Any] = dict(max_concurrent_decodes=batch, max_length=max_length)
     if kv_cache_bytes and path != "vdriver":
@@ -150,7 +150,7 @@ def warm_start(args) -> None:
     import jax
 
     import vsurge
-    from vsurge.compilation_cache import enable_compilation_cache
+    from vsurge.models.compiled.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()  # as vsurge serve does: VSURGE_CACHE_DIR/jax
     t_init = time.perf_counter()
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
         import jax
 
         import vsurge
-        from vsurge.compilation_cache import enable_compilation_cache
+        from vsurge.models.compiled.compilation_cache import enable_compilation_cache
 
         enable_compilation_cache()  # as vsurge serve does: VSURGE_CACHE_DIR/jax (cold here, warm at --warm-start)
         t0 = time.perf_counter()

@@ -487,7 +487,7 @@ def vsurge_command() -> list[str]:
     script = Path(sys.executable).parent / "vsurge"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "import sys; from vsurge.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from vsurge.cli.main import main; sys.exit(main())"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

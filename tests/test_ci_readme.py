@@ -26,7 +26,7 @@ readme_example = _load()
 
 
 def test_curl_example_targets_what_make_serve_serves():
-    from vsurge.cli import DEFAULT_PORT, parse_serve_config
+    from vsurge.cli.main import DEFAULT_PORT, parse_serve_config
 
     curl = readme_example.curl_example()
     words = shlex.split(curl)

@@ -59,7 +59,7 @@ def test_a_new_serve_flag_makes_the_check_fail(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys
-        import vsurge.serve_options as so
+        import vsurge.cli.serve_options as so
         so.SERVE_OPTIONS = (*so.SERVE_OPTIONS, so.Option(
             "--undocumented-knob", "VSURGE_UNDOCUMENTED_KNOB", int, 3, "a knob nobody documented", "N"))
         sys.argv = ["gen_docs.py", "--check"]

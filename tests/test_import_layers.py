@@ -1,70 +1,21 @@
 """The whole tree's import picture (service/, operator/, benchmarks/): no import circle, and no import that
 runs from a lower layer up into a higher one.
 
-The layer order, lowest first (``LAYERS``; a module may import its own layer and the ones below):
-
-1. contracts  - what every layer speaks: EngineConfig and its env/flag parsing, SamplingParams, the
-                request and its results, the seed's argument helpers, the version. No jax.
-2. structured - grammars and token masks for structured output.
-3. models     - model definitions, loaders, sources, attention kernels (and the compilation cache's place:
-                JAX's, its reads, the executable store).
-4. engines    - the jitted programs over a model's state (and resolved_config, which asks them).
-5. drivers    - the threads that feed the engines (pipeline, slots, detokenizer).
-6. surge      - vSurge: the engine a server talks to.
-7. server, multihost - the HTTP server; a multi-host slice's lockstep lane (both over surge).
-8. cli        - `vsurge serve | route | bench` and --print-config.
-9. facade     - the `vsurge` package itself: its lazy names reach every layer.
-10. benchmarks - scripts over everything.
-
-Two packages stand beside the stack (``SEPARATE``): the router (`vsurge route`) and the operator. Each
-imports only the contracts layer (the control plane installs without jax), and only the layers named
-may import it (the router's command registers with the cli; nothing imports the operator).
+The layer order is written once, in vsurge/layers.py (LAYERS, lowest first, and SEPARATE: the router and
+the operator beside the stack); its docstring says what each layer holds. docs/architecture.md lists the
+same layers in the same order, and says the same rule: each imports only its own layer and the ones below.
 """
 
 from __future__ import annotations
 
-from import_graph import circles, import_graph, module_files
+import re
 
-# (layer, module-name prefixes), lowest first
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "contracts",
-        (
-            "vsurge.version",
-            "vsurge.env_options",
-            "vsurge.sampling_params",
-            "vsurge.engine_config",
-            "vsurge.seed_args",
-            "vsurge.request",
-            "vsurge.responses",
-            "vsurge.protocols",
-            "vsurge.token_budget",
-        ),
-    ),
-    ("structured", ("vsurge.structured",)),
-    (
-        "models",
-        (
-            "vsurge.models",
-            "vsurge.compilation_cache",
-            "vsurge.cache_reads",
-            "vsurge.executable_store",
-            "vsurge.cache_signing",
-        ),
-    ),
-    ("engines", ("vsurge.engines", "vsurge.resolved_config")),
-    ("drivers", ("vsurge.drivers",)),
-    ("surge", ("vsurge.surge",)),
-    ("server/multihost", ("vsurge.server", "vsurge.multihost")),
-    ("cli", ("vsurge.cli", "vsurge.serve_options", "vsurge.print_config", "vsurge.sizing")),
-    ("facade", ("vsurge",)),
-    ("benchmarks", ("benchmarks",)),
-)
-# package prefix -> (layers it may import besides itself, layers that may import it)
-SEPARATE: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "vsurge.router": (frozenset({"contracts"}), frozenset({"cli", "facade", "benchmarks"})),
-    "vsurge_operator": (frozenset({"contracts"}), frozenset()),
-}
+from import_graph import REPO, circles, import_graph, module_files
+
+from vsurge.layers import LAYERS, SEPARATE
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+RULE = "imports only its own layer and the ones below"
 
 
 def layer_of(module: str) -> str:
@@ -108,7 +59,7 @@ def test_every_module_has_a_layer():
 
 def test_no_import_circle_anywhere():
     graph = import_graph()
-    assert "vsurge.router.cli" in graph["vsurge.cli"]  # the graph sees the cli's subcommand modules
+    assert "vsurge.router.cli" in graph["vsurge.cli.main"]  # the graph sees the cli's subcommand modules
     assert "benchmarks.peers" in graph["benchmarks.serving_peers"]  # and the benchmarks' bare-name imports
     assert circles(graph) == []
 
@@ -122,15 +73,34 @@ def test_the_checks_can_fail():
     graph = {
         "vsurge.models.llama": {"vsurge.engines.vengine"},  # models must not know engines
         "vsurge.engines.vengine": {"vsurge.models.llama"},
-        "vsurge.router.app": {"vsurge.engines.vengine", "vsurge.env_options"},  # the router: contracts only
+        # the router: contracts only
+        "vsurge.router.app": {"vsurge.engines.vengine", "vsurge.contracts.env_options"},
         "vsurge.server.app": {"vsurge.router.app"},  # only the cli registers the router
-        "vsurge.cli": {"vsurge.router.cli"},
+        "vsurge.cli.main": {"vsurge.router.cli"},
         "vsurge.router.cli": set(),
         "vsurge.engines.vengine.x": set(),
-        "vsurge.env_options": set(),
+        "vsurge.contracts.env_options": set(),
     }
     assert back_arrows(graph) == [
         ("vsurge.models.llama", "vsurge.engines.vengine"),
         ("vsurge.router.app", "vsurge.engines.vengine"),
         ("vsurge.server.app", "vsurge.router.app"),
     ]
+
+
+def documented_layers(text: str) -> list[str]:
+    """The layer names of architecture.md's "## Layers" list (`1. **name** ...`), in order."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\d+\. \*\*([\w/]+)\*\*", section, flags=re.M)
+
+
+def test_architecture_md_lists_the_layers_and_their_rule():
+    text = ARCHITECTURE.read_text()
+    assert documented_layers(text) == [name for name, _ in LAYERS]
+    assert RULE in " ".join(text.split())  # the rule as the test checks it, across a line break too
+    assert "only calls the one below" not in text
+
+
+def test_the_doc_check_can_fail():
+    doc = "x\n## Layers\n\n1. **contracts** - a\n2. **models** - b\n\n## Next\n3. **cli** - c\n"
+    assert documented_layers(doc) == ["contracts", "models"]  # one layer missing: differs from LAYERS

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .engine_config import EngineConfig, serve_fields
+from .contracts.engine_config import EngineConfig, serve_fields
 
 __all__ = ["Resolved", "resolve", "format_resolved"]
 

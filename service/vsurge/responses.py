@@ -12,7 +12,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
-from .request import ReturnSample
+from .contracts.request import ReturnSample
 
 __all__ = ["ends_inside_character", "merge_steps"]
 

@@ -9,14 +9,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from .drivers import switch_interval
-from .drivers.active_request import ActiveRequest, ReturnChannel
-from .drivers.detokenize import make_decode_fn
-from .drivers.metrics import DriverMetrics, RequestStats
-from .drivers.vdriver import vDriver
-from .engine_config import DEFAULT_SEED, EngineConfig
-from .engines.vengine import vEngine
-from .request import (
+from .contracts.engine_config import DEFAULT_SEED, EngineConfig
+from .contracts.request import (
     PromptTooLongError,
     QueueFullError,
     RequestFailedError,
@@ -24,8 +18,14 @@ from .request import (
     vSurgeMetadata,
     vSurgeRequest,
 )
+from .contracts.sampling_params import SamplingParams
+from .drivers import switch_interval
+from .drivers.active_request import ActiveRequest, ReturnChannel
+from .drivers.detokenize import make_decode_fn
+from .drivers.metrics import DriverMetrics, RequestStats
+from .drivers.vdriver import vDriver
+from .engines.vengine import vEngine
 from .responses import ends_inside_character, merge_steps
-from .sampling_params import SamplingParams
 from .seed_args import default, seed_engine_config
 
 log = logging.getLogger(__name__)

@@ -209,7 +209,7 @@ def test_operator_image_installs_no_engine() -> None:
 
 
 def test_service_image_entrypoint_is_the_cli() -> None:
-    assert PYPROJECT["project"]["scripts"].get("vsurge") == "vsurge.cli:main"
+    assert PYPROJECT["project"]["scripts"].get("vsurge") == "vsurge.cli.main:main"
     final = parse(DOCKERFILES["service"]).final
     assert final.env["VSURGE_CACHE_DIR"] == "/cache"
     (volume,) = final.all("VOLUME")

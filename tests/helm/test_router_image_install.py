@@ -29,7 +29,7 @@ ABSENT += ("boto3", "google-cloud-storage", "llguidance", "numpy", "kopf")
 
 PROBE = """
 import importlib.metadata as md, json, sys
-import vsurge.router.app, vsurge.router.cli, vsurge.router.extproc, vsurge.cli
+import vsurge.router.app, vsurge.router.cli, vsurge.router.extproc, vsurge.cli.main
 installed = []
 for name in sys.argv[1].split(","):
     try:

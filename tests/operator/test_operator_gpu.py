@@ -35,7 +35,7 @@ def env(m: spec.ModelSpec) -> dict[str, str]:
 
 def test_schema_matches_the_operator():
     props = SPEC["properties"]
-    from vsurge.engine_config import QUANTIZATIONS
+    from vsurge.contracts.engine_config import QUANTIZATIONS
 
     # the CRD and the operator offer what vsurge serve accepts
     assert tuple(props["engine"]["properties"]["quantization"]["enum"]) == QUANTIZATIONS
@@ -47,7 +47,7 @@ def test_schema_matches_the_operator():
 
 
 def test_quantization_reaches_the_pod_and_vsurge_serve():
-    from vsurge.cli import parse_serve_config
+    from vsurge.cli.main import parse_serve_config
 
     b = body(engine={"quantization": "int8", "driver": "odriver"})
     VALIDATOR.validate(b)
@@ -63,8 +63,8 @@ def test_quantization_reaches_the_pod_and_vsurge_serve():
 
 
 def test_speculative_decoding_reaches_the_pod_and_vsurge_serve():
-    from vsurge.cli import parse_serve_config
-    from vsurge.engine_config import SPECULATIVE_METHODS
+    from vsurge.cli.main import parse_serve_config
+    from vsurge.contracts.engine_config import SPECULATIVE_METHODS
 
     assert tuple(SPEC["properties"]["engine"]["properties"]["speculative"]["enum"]) == SPECULATIVE_METHODS
     assert engine_options.BY_KEY["speculative"].choices == SPECULATIVE_METHODS
@@ -82,8 +82,8 @@ def test_speculative_decoding_reaches_the_pod_and_vsurge_serve():
 
 
 def test_kv_cache_prefill_and_decode_dtypes_reach_the_pod_and_vsurge_serve():
-    from vsurge.cli import parse_serve_config
-    from vsurge.engine_config import DECODE_DTYPES, KV_CACHE_DTYPES, PREFILL_DTYPES
+    from vsurge.cli.main import parse_serve_config
+    from vsurge.contracts.engine_config import DECODE_DTYPES, KV_CACHE_DTYPES, PREFILL_DTYPES
 
     engine = SPEC["properties"]["engine"]["properties"]
     for key, choices in (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from vsurge.cli import SERVE_OPTIONS, parse_serve_config
+from vsurge.cli.main import SERVE_OPTIONS, parse_serve_config
 from vsurge.multihost import group as distributed
 from vsurge.multihost.channel import SECRET_ENV
 from vsurge_operator import manifests, spec

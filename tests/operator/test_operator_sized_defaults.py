@@ -1,4 +1,4 @@
-"""Pods the operator makes inherit `vsurge serve`'s sized slots and context (vsurge/sizing.py): the operator
+"""Pods the operator makes inherit `vsurge serve`'s sized slots and context (vsurge/cli/sizing.py): the operator
 passes an engine variable only when the InferenceModel sets it, so a pod started with none sizes them from
 its own device; one that sets them gets exactly those."""
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vsurge.cli import build_parser
+from vsurge.cli.main import build_parser
 from vsurge.router.cli import add_route_arguments, run_route
 from vsurge.router.config import RouteConfigError, RouterConfig, config_from_args
 

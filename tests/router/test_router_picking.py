@@ -7,9 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vsurge.router.hashring import HashRing
-from vsurge.router.loadpoll import LoadBook
-from vsurge.router.picker import Picker, PrefixIndex, prefix_decision
-from vsurge.router.picking import (
+from vsurge.router.load_picking import (
     LoadReport,
     LoadTracker,
     estimated_load,
@@ -20,6 +18,8 @@ from vsurge.router.picking import (
     pressure,
     usable,
 )
+from vsurge.router.loadpoll import LoadBook
+from vsurge.router.policies import Picker, PrefixIndex, prefix_decision
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 

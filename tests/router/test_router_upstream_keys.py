@@ -1,5 +1,5 @@
 """A model's own API key (spec.apiKeySecret, router/upstream_keys.py) and the prefix index forgetting pods
-that left (picker.ForgetGonePods).
+that left (policies.ForgetGonePods).
 
 The key: KMock serves the InferenceModel and its Secret; the router reads the Secret by name and sends
 `Authorization: Bearer <the model's key>` to the pods, on its own port (in place of the client's header, or

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vsurge.cli import SERVE_OPTIONS, ConfigError, parse_serve_config
+from vsurge.cli.main import SERVE_OPTIONS, ConfigError, parse_serve_config
 from vsurge.server.tracing import provider_from_env, tracing_configured
 
 
@@ -86,7 +86,7 @@ def test_bad_flag_exits_with_usage(capsys):
 
 def test_help_is_light():
     out = subprocess.run(
-        [sys.executable, "-c", "import sys; from vsurge.cli import main; main(['serve', '--help'])"],
+        [sys.executable, "-c", "import sys; from vsurge.cli.main import main; main(['serve', '--help'])"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -96,7 +96,7 @@ def test_help_is_light():
         [
             sys.executable,
             "-c",
-            "import sys, vsurge.cli; vsurge.cli.build_parser(); print('jax' in sys.modules)",
+            "import sys, vsurge.cli.main; vsurge.cli.main.build_parser(); print('jax' in sys.modules)",
         ],
         capture_output=True,
         text=True,
@@ -127,7 +127,7 @@ def test_tracing_is_off_unless_configured():
 @pytest.mark.parametrize("driver", ["vdriver", "odriver"])
 def test_engine_options_reach_the_engine(tiny_dir, driver):
     import vsurge
-    from vsurge.cli import build_surge
+    from vsurge.cli.main import build_surge
 
     flags = [
         "--driver",
@@ -147,7 +147,7 @@ def test_engine_options_reach_the_engine(tiny_dir, driver):
 
 def test_speculative_flags_reach_the_engine(tiny_dir):
     import vsurge
-    from vsurge.cli import build_surge
+    from vsurge.cli.main import build_surge
 
     flags = [
         "--speculative",
@@ -168,7 +168,7 @@ def test_kv_cache_prefill_and_decode_dtypes_reach_the_engine(tiny_dir):
     import jax.numpy as jnp
 
     import vsurge
-    from vsurge.cli import build_surge
+    from vsurge.cli.main import build_surge
     from vsurge.models.attention import KV_BITS
 
     flags = ["--kv-cache-dtype", "bfloat16", "--prefill-dtype", "bfloat16", "--decode-dtype", "bfloat16"]
@@ -196,7 +196,7 @@ def test_kv_cache_prefill_and_decode_dtypes_reach_the_engine(tiny_dir):
 
 
 def test_tool_call_parser_reaches_the_server():
-    from vsurge.cli import build_api
+    from vsurge.cli.main import build_api
     from vsurge.server.tool_parsers import PARSERS
 
     help_text = next(o.help for o in SERVE_OPTIONS if o.env == "VSURGE_TOOL_CALL_PARSER")

@@ -9,7 +9,7 @@ import openai
 import pytest
 from server_helpers import MAX_LENGTH, MODEL, SLOTS
 
-from vsurge.sampling_params import SamplingParams
+from vsurge.contracts.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world"}]
 

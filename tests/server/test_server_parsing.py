@@ -200,8 +200,8 @@ def test_chat_template_errors_are_400(tok):
 
 
 def test_engine_exceptions_map_to_statuses():
-    from vsurge.request import PromptTooLongError, QueueFullError, RequestFailedError
-    from vsurge.sampling_params import InvalidSamplingParams
+    from vsurge.contracts.request import PromptTooLongError, QueueFullError, RequestFailedError
+    from vsurge.contracts.sampling_params import InvalidSamplingParams
 
     assert from_exception(InvalidSamplingParams("top_p", "bad")).param == "top_p"
     assert from_exception(PromptTooLongError("long")).code == "context_length_exceeded"

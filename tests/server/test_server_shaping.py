@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from vsurge.request import ReturnSample, TokenLogprob
+from vsurge.contracts.request import ReturnSample, TokenLogprob
 from vsurge.server.shaping import (
     SSE_DONE,
     ChunkWriter,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from vsurge.server.engine import ServedEngine
+from vsurge.server.served_model import ServedEngine
 from vsurge.surge import vSurge
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: the tree's import graph

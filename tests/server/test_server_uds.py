@@ -163,7 +163,7 @@ def test_a_stale_socket_file_is_replaced_and_a_live_one_refused(tiny_dir):
 
 
 def test_uds_option_and_its_metrics_default():
-    from vsurge.serve_options import parse_serve_config
+    from vsurge.cli.serve_options import parse_serve_config
 
     cfg = parse_serve_config(["--uds", "/run/v.sock"], {})
     assert cfg.uds == "/run/v.sock" and cfg.resolved_metrics_port == -1  # no port opened: /metrics on it

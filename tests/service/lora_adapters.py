@@ -13,7 +13,7 @@ import torch
 def bank_config(driver: str, **settings):
     """The engine every LoRA parity test serves ADAPTERS on: a bank of 3 slots (all resident at once) of
     rank 16, 4 decode slots, 64 positions, prefill buckets 16 and 32; ``settings`` add to it."""
-    from vsurge.engine_config import EngineConfig
+    from vsurge.contracts.engine_config import EngineConfig
 
     return EngineConfig(
         driver=driver,
@@ -91,7 +91,7 @@ def reference(setup, prompts=PROMPTS, names=NAMES, tokens=TOKENS) -> list[tuple[
 
 
 def ids_request(ids, adapter=None, tokens=TOKENS, logprobs=True):
-    from vsurge.request import vSurgeRequest
+    from vsurge.contracts.request import vSurgeRequest
 
     return vSurgeRequest(
         prompt=list(ids),

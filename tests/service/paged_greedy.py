@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 import vsurge
-from vsurge.engine_config import EngineConfig
+from vsurge.contracts.engine_config import EngineConfig
 from vsurge.engines.mixed_step import ChunkWork, pack_meta
 from vsurge.engines.oengine import oEngine
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import vsurge
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.sampling import sample_jit
 from vsurge.engines.vengine import vEngine
 from vsurge.models import greedy_generate
-from vsurge.sampling_params import SamplingParams
 
 MAX_LEN = 160
 BUCKETS = [16, 32]

@@ -1,4 +1,4 @@
-"""JAX's persistent cache with VSURGE_CACHE_HMAC_KEY set (vsurge/compilation_cache.py): entries are written
+"""JAX's persistent cache with VSURGE_CACHE_HMAC_KEY set (vsurge/models/compiled/compilation_cache.py): entries are written
 signed; a second process with the key reads them (no compile); one with another key, or an entry stripped
 of its signature (JAX's own format, which JAX would load), is refused with a warning and compiled over.
 Each run is its own process: JAX's cache object is process-wide."""
@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from vsurge import cache_signing
+from vsurge.models.compiled import cache_signing
 
 RUN = textwrap.dedent(
     """
@@ -20,7 +20,7 @@ RUN = textwrap.dedent(
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     import jax, jax.numpy as jnp
     from jax._src import monitoring
-    from vsurge.compilation_cache import enable_compilation_cache
+    from vsurge.models.compiled.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

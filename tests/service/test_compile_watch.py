@@ -1,6 +1,6 @@
 """engines/compile_watch.py: what a stretch of start-up compiled, from any thread, with watches that overlap
 (two engines of one process compile at once: a multi-host leader and its worker over an in-process lane);
-and vsurge/cache_reads.py: the persistent cache's reads take turns."""
+and vsurge/models/compiled/cache_reads.py: the persistent cache's reads take turns."""
 
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ def test_a_compile_on_another_thread_counts():
 
 
 def test_persistent_cache_reads_take_turns():
-    # vsurge/cache_reads.py: XLA:CPU crashed deserializing two cached executables at once on two threads
+    # vsurge/models/compiled/cache_reads.py: XLA:CPU crashed deserializing two cached executables at once on two threads
     # of a compile pool; after compile_jobs installs the guard, a read waits while another holds the lock
     from jax._src import compilation_cache as cache
     from jax._src import xla_bridge
 
-    from vsurge import cache_reads
     from vsurge.engines.engine_base import compile_jobs
+    from vsurge.models.compiled import cache_reads
 
     compile_jobs([("sin", jax.jit(jnp.sin), (np.zeros(7, np.float32),))], lambda _: None)
     assert getattr(cache.get_executable_and_time, "vsurge_serialized", False)

@@ -8,14 +8,14 @@ import pytest
 from jit_watch import compilations
 
 import vsurge
+from vsurge.contracts.engine_config import EngineConfig
+from vsurge.contracts.request import vSurgeRequest
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.drivers.lanes import FirstToken, PrefilledPack
 from vsurge.drivers.pipeline import drain
 from vsurge.drivers.transfer import transfer_group
-from vsurge.engine_config import EngineConfig
 from vsurge.models import greedy_generate
-from vsurge.request import vSurgeRequest
-from vsurge.sampling_params import SamplingParams
 from vsurge.surge import vSurge
 
 

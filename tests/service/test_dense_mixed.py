@@ -19,10 +19,10 @@ import time
 import numpy as np
 import pytest
 
+from vsurge.contracts.request import vSurgeRequest
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.dense_mixed import Chunk, plan_chunks, step_shapes
 from vsurge.models import greedy_generate
-from vsurge.request import vSurgeRequest
-from vsurge.sampling_params import SamplingParams
 from vsurge.surge import vSurge
 
 MAX_LEN = 128

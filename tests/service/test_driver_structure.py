@@ -8,9 +8,9 @@ import inspect
 
 import pytest
 
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers import dense_slots, lanes, odriver, pipeline, vdriver
 from vsurge.drivers.active_request import ActiveRequest
-from vsurge.sampling_params import SamplingParams
 
 STEPPER_METHODS = [
     name for name, _ in inspect.getmembers(pipeline.Stepper, inspect.isfunction) if not name.startswith("_")

@@ -12,8 +12,15 @@ import pytest
 import yaml
 
 import vsurge
-from vsurge.cli import SERVE_OPTIONS, ConfigError, parse_serve_config
-from vsurge.engine_config import DEFAULT_SEED, REMOVED_KNOBS, EngineConfig, env_name, flag_name, serve_fields
+from vsurge.cli.main import SERVE_OPTIONS, ConfigError, parse_serve_config
+from vsurge.contracts.engine_config import (
+    DEFAULT_SEED,
+    REMOVED_KNOBS,
+    EngineConfig,
+    env_name,
+    flag_name,
+    serve_fields,
+)
 from vsurge.seed_args import seed_engine_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,7 +159,7 @@ def test_help_shows_the_engine_defaults(capsys):
         parse_serve_config(["--help"], {})
     out = " ".join(capsys.readouterr().out.split())
     assert (
-        "(default: sized from the device's memory (vsurge/sizing.py; 16 from Python)) [env VSURGE_MAX_CONCURRENT_DECODES]"
+        "(default: sized from the device's memory (vsurge/cli/sizing.py; 16 from Python)) [env VSURGE_MAX_CONCURRENT_DECODES]"
         in out
     )
     assert "(default: 894) [env VSURGE_SEED]" in out
@@ -405,8 +412,8 @@ def test_every_serve_knob_is_reachable_from_an_inference_model():
 def test_a_new_knob_is_reported_until_regenerated():
     """A knob added to EngineConfig and not regenerated: the check names both files and shows the new key,
     its variable and its driver rule."""
-    from vsurge.engine_config import DriverOnly, at_least, knob
-    from vsurge.env_options import parse_int
+    from vsurge.contracts.engine_config import DriverOnly, at_least, knob
+    from vsurge.contracts.env_options import parse_int
 
     @dataclasses.dataclass(frozen=True)
     class WithKnob(EngineConfig):

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vsurge import cache_signing
-from vsurge import executable_store as es
 from vsurge.engines.aot_program import AotProgram
 from vsurge.engines.compile_watch import compiled_during
 from vsurge.engines.engine_base import compile_jobs
+from vsurge.models.compiled import cache_signing
+from vsurge.models.compiled import executable_store as es
 
 
 def _affine(x, w, *, scale):
@@ -119,7 +119,7 @@ def test_an_unreadable_file_is_compiled_over(tmp_path, caplog):
     good = kept.read_bytes()
     kept.write_bytes(good[:100])  # truncated: its signature no longer matches
     again, program = _store(tmp_path), _program()
-    with caplog.at_level(logging.WARNING, logger="vsurge.executable_store"):
+    with caplog.at_level(logging.WARNING, logger="vsurge.models.compiled.executable_store"):
         assert _compile(again, program)
     assert "refused" in caplog.text
     np.testing.assert_allclose(np.asarray(program(*ARGS)), np.full((4, 3), 16.0))
@@ -127,7 +127,7 @@ def test_an_unreadable_file_is_compiled_over(tmp_path, caplog):
     name = f"engine/{kept.name}"
     kept.write_bytes(cache_signing.sign(KEY.encode(), name, pickle.dumps(("not", "an", "executable"))))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="vsurge.executable_store"):
+    with caplog.at_level(logging.WARNING, logger="vsurge.models.compiled.executable_store"):
         assert _compile(_store(tmp_path), _program())
     assert "unreadable" in caplog.text
 
@@ -135,7 +135,7 @@ def test_an_unreadable_file_is_compiled_over(tmp_path, caplog):
 def _refused_and_compiled(tmp_path, caplog) -> es.ExecutableStore:
     store, program = _store(tmp_path), _program()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="vsurge.executable_store"):
+    with caplog.at_level(logging.WARNING, logger="vsurge.models.compiled.executable_store"):
         assert _compile(store, program)  # compiled: the file was not used
     assert "refused" in caplog.text and "signature does not match" in caplog.text, caplog.text
     assert store.report()["read"] == 0
@@ -194,12 +194,12 @@ def test_without_the_variable_a_private_key_file_outside_the_cache_dir(tmp_path,
     # a key file others can read is not used; nor one inside the shared dir
     path.chmod(0o644)
     cache_signing._file_key.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="vsurge.cache_signing"):
+    with caplog.at_level(logging.WARNING, logger="vsurge.models.compiled.cache_signing"):
         assert cache_signing.cache_key(shared_dir=shared) != key
     assert "open to other users" in caplog.text
     cache_signing._file_key.cache_clear()
     monkeypatch.setenv("VSURGE_CACHE_DIR", str(shared))
-    with caplog.at_level(logging.WARNING, logger="vsurge.cache_signing"):
+    with caplog.at_level(logging.WARNING, logger="vsurge.models.compiled.cache_signing"):
         first = cache_signing.cache_key(shared_dir=shared)
     assert "inside the compilation cache dir" in caplog.text
     assert not (shared / "keys").exists() and len(first) == 32
@@ -221,9 +221,9 @@ START = textwrap.dedent(
     """
     import json, sys
     import vsurge
-    from vsurge.compilation_cache import enable_compilation_cache
+    from vsurge.models.compiled.compilation_cache import enable_compilation_cache
     from vsurge.engines.aot_program import missed
-    from vsurge.request import vSurgeRequest
+    from vsurge.contracts.request import vSurgeRequest
 
     def greedy(prompt):
         request = vSurgeRequest(prompt=prompt, max_tokens=6, temperature=0.0, ignore_eos=True,

@@ -398,7 +398,8 @@ _NO_TORCH_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import httpx
-    from vsurge.cli import _enable_compilation_cache, build_surge, parse_serve_config
+    from vsurge.cli.main import build_surge, parse_serve_config
+    from vsurge.models.compiled.compilation_cache import enable_compilation_cache
     from vsurge.server import vSurgeApiServer
     from vsurge.server.runner import start
     import vsurge
@@ -408,7 +409,7 @@ _NO_TORCH_SCRIPT = textwrap.dedent(
     api = vSurgeApiServer()
 
     def startup(api, say):
-        _enable_compilation_cache()  # as `vsurge serve` does: a rerun skips most of the compile
+        enable_compilation_cache()  # as `vsurge serve` does: a rerun skips most of the compile
         model, processor = vsurge.load_model(cfg.model, dtype=cfg.dtype)
         api.add_model(cfg.model_name, build_surge(cfg, model, processor), load_seconds=0.0)
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import vsurge
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.dense_warmup import longest_first, program_jobs
 from vsurge.engines.vengine import vEngine
 from vsurge.models.attention import ChunkAttention, PrefillAttention
-from vsurge.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 

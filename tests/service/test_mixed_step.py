@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 import vsurge
+from vsurge.contracts.sampling_params import SamplingParams
+from vsurge.contracts.token_budget import TokenBudget
 from vsurge.engines.mixed_step import ChunkWork
 from vsurge.engines.oengine import oEngine
 from vsurge.engines.page_scheduler import PageScheduler, Seq, plan_chunks
 from vsurge.engines.paging import HBMPageManager, bytes_per_page, page_hashes
 from vsurge.models import greedy_generate
 from vsurge.models.paged_attention import ragged_paged_attention_xla
-from vsurge.sampling_params import SamplingParams
-from vsurge.token_budget import TokenBudget
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -251,7 +251,7 @@ def steps(surge, monkeypatch):
 
 
 def _request(ids, max_tokens: int):
-    from vsurge.request import vSurgeRequest
+    from vsurge.contracts.request import vSurgeRequest
 
     return vSurgeRequest(
         prompt=[int(t) for t in ids],

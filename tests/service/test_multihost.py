@@ -16,7 +16,7 @@ import time
 import pytest
 from multihost_group import SERVE, TEST_LANE_TIMEOUT_S, Group, base_env, client, held, ports, write_secret
 
-from vsurge.cli import ConfigError, parse_serve_config
+from vsurge.cli.main import ConfigError, parse_serve_config
 from vsurge.multihost.group import COORDINATOR_PORT, ProcessGroup, lane_timeout, resolve
 
 # ------------------------------------------------------------------------------------ the group

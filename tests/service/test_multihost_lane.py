@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from multihost_group import free_port
 
+from vsurge.contracts.request import EngineUnavailableError
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.multihost import channel as ch
 from vsurge.multihost.engine_proxy import LaneRefused, LeaderEngine, build_engine, engine_setup
 from vsurge.multihost.group import ProcessGroup
 from vsurge.multihost.lane_leader import SILENCE, LeaderLane
 from vsurge.multihost.lane_worker import WorkerLane
-from vsurge.request import EngineUnavailableError
-from vsurge.sampling_params import SamplingParams
 
 SECRET = b"0123456789abcdef0123456789abcdef-group"
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150, 61, 88, 12, 250, 9]]
@@ -135,7 +135,7 @@ class Pair:
         threading.Thread(target=work, daemon=True).start()
 
     def engine(self, **knobs):
-        from vsurge.engine_config import EngineConfig
+        from vsurge.contracts.engine_config import EngineConfig
 
         self.lane.wait_workers("loaded", 60, "load")
         config = EngineConfig(max_concurrent_decodes=2, max_length=64, prefill_lengths=(32,), **knobs)

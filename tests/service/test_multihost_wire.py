@@ -14,10 +14,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.multihost import channel as ch
 from vsurge.multihost import wire
 from vsurge.multihost.engine_proxy import register_records
-from vsurge.sampling_params import SamplingParams
 
 SECRET = b"0123456789abcdef0123456789abcdef-group"
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from vsurge.contracts.sampling_params import SamplingParams
+from vsurge.contracts.token_budget import TokenBudget
 from vsurge.drivers.ngram_drafts import P_RIGHT_WEIGHT, NgramDrafts, may_speculate
 from vsurge.engines.speculative import expected_accepted, worth_verifying
-from vsurge.sampling_params import SamplingParams
-from vsurge.token_budget import TokenBudget
 
 
 def _budget(prompt: list[int], params: SamplingParams, max_length: int) -> TokenBudget:

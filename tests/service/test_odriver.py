@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import vsurge
+from vsurge.contracts.request import PromptTooLongError, RequestFailedError, vSurgeRequest
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.engines.paging import bytes_per_page
 from vsurge.models import greedy_generate
-from vsurge.request import PromptTooLongError, RequestFailedError, vSurgeRequest
-from vsurge.sampling_params import SamplingParams
 from vsurge.surge import vSurge
 
 MAX_LEN = 128

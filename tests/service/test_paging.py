@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from vsurge.contracts.token_budget import TokenBudget
 from vsurge.engines.page_scheduler import PageScheduler, Seq
 from vsurge.engines.paging import (
     DEFAULT_HOST_KV_BYTES,
@@ -26,7 +27,6 @@ from vsurge.engines.paging import (
 from vsurge.models.attention import DenseDecodeAttention, PrefillAttention
 from vsurge.models.paged_attention import PagedDecodeAttention, PagedPrefillAttention, combine_kv, gather_kv
 from vsurge.models.sharding import make_mesh
-from vsurge.token_budget import TokenBudget
 
 # ------------------------------------------------------------------------------------------ prefix keys
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.drivers.pipeline import PREFILL_MAX_DEFER_SECONDS, PREFILL_SECONDS_PER_TOKEN, PrefillQueue
-from vsurge.sampling_params import SamplingParams
 
 
 def _req(n: int) -> ActiveRequest:

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import vsurge
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.dense_warmup import chained
 from vsurge.engines.dense_warmup import program_jobs as dense_jobs
 from vsurge.engines.oengine import oEngine
@@ -25,7 +26,6 @@ from vsurge.engines.vengine import vEngine
 from vsurge.models.config import ModelConfig
 from vsurge.models.loader import _read_config, abstract_model
 from vsurge.models.sharding import make_mesh
-from vsurge.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
 

@@ -228,7 +228,7 @@ def test_gguf_q8_0_is_kept_as_stored(tmp_path):
 
 @pytest.mark.parametrize("driver", ["vdriver", "odriver"])
 def test_engine_serves_int8_weights(tiny_checkpoint, driver):
-    from vsurge.request import vSurgeRequest
+    from vsurge.contracts.request import vSurgeRequest
     from vsurge.surge import vSurge
 
     path, _ = tiny_checkpoint("llama")

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from vsurge.request import SEED_SAMPLING_DEFAULTS, vSurgeMetadata, vSurgeRequest
-from vsurge.sampling_params import SamplingParams
+from vsurge.contracts.request import SEED_SAMPLING_DEFAULTS, vSurgeMetadata, vSurgeRequest
+from vsurge.contracts.sampling_params import SamplingParams
 
 
 def test_seed_positional_order_and_defaults():

@@ -2,8 +2,8 @@
 
 import json
 
-from vsurge import cli
-from vsurge.engine_config import EngineConfig
+from vsurge.cli.main import main
+from vsurge.contracts.engine_config import EngineConfig
 from vsurge.models.config import ModelConfig
 from vsurge.resolved_config import resolve
 
@@ -59,7 +59,7 @@ def test_print_config_prints_the_resolved_knobs_and_exits(tmp_path, capsys):
             )
         )
     )  # fmt: skip
-    assert cli.main(["serve", "--model", str(tmp_path), "--decode-steps", "2", "--print-config"]) == 0
+    assert main(["serve", "--model", str(tmp_path), "--decode-steps", "2", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "backend cpu" in out
     line = next(x for x in out.splitlines() if x.startswith("decode_steps"))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from vsurge.contracts.sampling_params import SamplingParams as SP
 from vsurge.engines import sampling as smp
 from vsurge.engines.sampling import (
     GREEDY_EPS,
@@ -21,7 +22,6 @@ from vsurge.engines.sampling import (
     set_slot,
     update_counts,
 )
-from vsurge.sampling_params import SamplingParams as SP
 
 # ------------------------------------------------------------------------------------------- references
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from vsurge.contracts.sampling_params import SamplingParams as SP
 from vsurge.engines import sampling as smp
 from vsurge.engines import sampling_filters as filt
 from vsurge.engines import sampling_ops as ops
@@ -24,7 +25,6 @@ from vsurge.engines.sampling import (
     seed_key_data,
     update_counts,
 )
-from vsurge.sampling_params import SamplingParams as SP
 
 S = 16
 V = 4096

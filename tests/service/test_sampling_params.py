@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vsurge.sampling_params import (
+from vsurge.contracts.sampling_params import (
     MAX_N,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
@@ -106,7 +106,7 @@ def test_invalid_field_names_field_and_range(field, kwargs, allowed):
 
 def test_module_has_no_jax_dependency():
     # The server validates requests without touching the accelerator stack.
-    import vsurge.sampling_params as sp
+    import vsurge.contracts.sampling_params as sp
 
     src = Path(sp.__file__).read_text(encoding="utf-8")
     assert "import jax" not in src and "from jax" not in src

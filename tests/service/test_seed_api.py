@@ -13,7 +13,7 @@ import pytest
 
 import vsurge
 from vsurge import EngineConfig, SamplingParams, vSurge, vSurgeRequest
-from vsurge.request import ReturnSample
+from vsurge.contracts.request import ReturnSample
 
 MAX_LEN = 64
 

@@ -1,4 +1,4 @@
-"""`vsurge serve`'s default slots and context from the device's memory (vsurge/sizing.py): numbers in,
+"""`vsurge serve`'s default slots and context from the device's memory (vsurge/cli/sizing.py): numbers in,
 slots and context out, for the chips and models issue 52 measured; and `--print-config` showing it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vsurge.engine_config import EngineConfig
-from vsurge.sizing import Sizing, estimate_weights_bytes, kv_bytes_per_token, size, slot_cap
+from vsurge.cli.sizing import Sizing, estimate_weights_bytes, kv_bytes_per_token, size, slot_cap
+from vsurge.contracts.engine_config import EngineConfig
 
 GIB = 1 << 30
 V5E = 16 * GIB
@@ -123,7 +123,7 @@ def test_print_config_on_cpu_shows_the_sizing(tmp_path):
 
 
 def test_the_knobs_sizing_keeps_are_those_given():
-    from vsurge.serve_options import ServeConfig, parse_serve_config
+    from vsurge.cli.serve_options import ServeConfig, parse_serve_config
 
     assert parse_serve_config([], {}).set_knobs == frozenset()
     cfg = parse_serve_config(["--max-length", "512"], {"VSURGE_MAX_CONCURRENT_DECODES": "16"})

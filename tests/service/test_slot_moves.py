@@ -16,10 +16,10 @@ import time
 import numpy as np
 import pytest
 
+from vsurge.contracts.request import vSurgeRequest
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.slot_moves import plan_moves
 from vsurge.models import greedy_generate
-from vsurge.request import vSurgeRequest
-from vsurge.sampling_params import SamplingParams
 from vsurge.surge import vSurge
 
 MAX_LEN = 160

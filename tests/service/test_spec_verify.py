@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import vsurge
+from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.spec_verify import SpeculativeVerifier, plain_sampling
 from vsurge.engines.speculative import propose_ngram_batch
 from vsurge.engines.vengine import vEngine
-from vsurge.sampling_params import SamplingParams
 
 SLOTS, K, OUT = 4, 3, 40
 PROMPTS = [

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from tiny_models import tiny_tokenizer
 
+from vsurge.contracts.sampling_params import SamplingParams as SP
 from vsurge.engines.sampling import make_slot_sampling, sample_jit, unpack_token_mask
-from vsurge.sampling_params import SamplingParams as SP
 from vsurge.structured import (
     GrammarCompiler,
     GrammarError,

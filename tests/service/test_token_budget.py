@@ -1,4 +1,4 @@
-"""One token budget (vsurge/token_budget.py): a sample produces exactly min(max_tokens, context left after
+"""One token budget (vsurge/contracts/token_budget.py): a sample produces exactly min(max_tokens, context left after
 its prompt) tokens on both drivers, the step thread (which frees the slot) and the detokenize thread
 (which ends the sample) read the same object, and no slot stays held. Off by one either way, these fail:
 a token too many or too few, or a request that never ends because its slot was freed a step early."""
@@ -10,9 +10,9 @@ import time
 import pytest
 
 import vsurge
-from vsurge.request import vSurgeRequest
+from vsurge.contracts.request import vSurgeRequest
+from vsurge.contracts.token_budget import TokenBudget
 from vsurge.surge import vSurge
-from vsurge.token_budget import TokenBudget
 
 MAX_LEN = 48
 BUCKETS = [16, 32]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import vsurge
+from vsurge.contracts.request import PromptTooLongError, QueueFullError, RequestFailedError, vSurgeRequest
+from vsurge.contracts.sampling_params import InvalidSamplingParams, SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.models import greedy_generate
-from vsurge.request import PromptTooLongError, QueueFullError, RequestFailedError, vSurgeRequest
-from vsurge.sampling_params import InvalidSamplingParams, SamplingParams
 from vsurge.surge import vSurge
 
 MAX_LEN = 128

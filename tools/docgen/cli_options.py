@@ -34,7 +34,7 @@ class Row:
 
 def subparser(name: str) -> argparse.ArgumentParser:
     """The parser of `vsurge NAME`, built the way `vsurge` builds it."""
-    from vsurge.cli import build_parser
+    from vsurge.cli.main import build_parser
 
     parser = build_parser()
     for action in parser._actions:
@@ -89,7 +89,7 @@ def table(name: str) -> str:
 
 def engine_only_table() -> str:
     """EngineConfig's fields that are not serve options: settable from Python (`EngineConfig(...)`)."""
-    from vsurge.engine_config import EngineConfig
+    from vsurge.contracts.engine_config import EngineConfig
 
     lines = ["| field | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(EngineConfig):

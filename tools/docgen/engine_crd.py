@@ -1,6 +1,6 @@
 """The InferenceModel CRD's ``spec.engine`` and the operator's table of it, generated from EngineConfig.
 
-Every ``vsurge serve`` knob is a field of EngineConfig (service/vsurge/engine_config.py). The operator must
+Every ``vsurge serve`` knob is a field of EngineConfig (service/vsurge/contracts/engine_config.py). The operator must
 not import vsurge (its image has no jax), so this runs at development time and writes two checked-in blocks:
 
     helm/vsurge/crds/inferencemodels.vsurge.io.yaml   the ``engine:`` node of spec: each option's type,
@@ -55,7 +55,7 @@ def camel(name: str) -> str:
 
 
 def _kind(f: dataclasses.Field) -> str:
-    from vsurge.env_options import parse_float, parse_int, parse_int_list
+    from vsurge.contracts.env_options import parse_float, parse_int, parse_int_list
 
     text = f.metadata["text"]
     if f.metadata.get("choices") and all(isinstance(c, str) for c in f.metadata["choices"]):
@@ -78,7 +78,7 @@ def _default_words(f: dataclasses.Field) -> str:
 
 def option(f: dataclasses.Field) -> Option:
     """The spec.engine option of an EngineConfig serve field."""
-    from vsurge.engine_config import env_name, flag_name
+    from vsurge.contracts.engine_config import env_name, flag_name
 
     meta = f.metadata
     check, limits, only = meta["check"], meta.get("limits"), meta.get("only")
@@ -106,7 +106,7 @@ def _server_options() -> list[Option]:
     """spec.engine keys that are not EngineConfig knobs: the server's parameter dtype. (The LoRA bank's
     size, maxLoras and maxLoraRank, are EngineConfig knobs; the operator also passes them as flags beside
     ``--lora``, operator/vsurge_operator/adapters.py.)"""
-    from vsurge.serve_options import DTYPES, SERVE_OPTIONS
+    from vsurge.cli.serve_options import DTYPES, SERVE_OPTIONS
 
     dtype = next(o for o in SERVE_OPTIONS if o.flag == "--dtype")
     return [
@@ -123,7 +123,7 @@ def _server_options() -> list[Option]:
 
 def options(fields: Iterable[dataclasses.Field] | None = None) -> list[Option]:
     """Every spec.engine option: EngineConfig's serve fields (``fields``, for a test), then the server's."""
-    from vsurge.engine_config import serve_fields
+    from vsurge.contracts.engine_config import serve_fields
 
     chosen = serve_fields() if fields is None else tuple(fields)
     return [option(f) for f in chosen if f.name not in NOT_IN_CRD] + _server_options()
@@ -251,7 +251,7 @@ def _fold(node: Any) -> Any:
 
 def crd_block(fields: Iterable[dataclasses.Field] | None = None) -> str:
     """The CRD's ``engine:`` node as YAML, for the generated block of the CRD file."""
-    from vsurge.engine_config import EngineConfig
+    from vsurge.contracts.engine_config import EngineConfig
 
     node = _fold(engine_schema(options(fields), EngineConfig().driver))
     return yaml.dump({"engine": node}, Dumper=_Dumper, sort_keys=False, width=100, indent=2)
@@ -271,7 +271,7 @@ def _py(value: Any) -> str:
 
 def operator_block(fields: Iterable[dataclasses.Field] | None = None) -> str:
     """``OPTIONS`` of the operator's engine_options.py: one EngineOption per spec.engine key."""
-    from vsurge.engine_config import EngineConfig
+    from vsurge.contracts.engine_config import EngineConfig
 
     lines = [f"DEFAULT_DRIVER = {_py(EngineConfig().driver)}", "OPTIONS: tuple[EngineOption, ...] = ("]
     names = ("key", "field", "env", "kind", "choices", "minimum", "maximum", "exclusive_minimum")

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ..request import RequestFailedError, ReturnSample, TokenLogprob, vSurgeMetadata
-from ..sampling_params import SamplingParams
-from ..token_budget import TokenBudget
+from ..contracts.request import RequestFailedError, ReturnSample, TokenLogprob, vSurgeMetadata
+from ..contracts.sampling_params import SamplingParams
+from ..contracts.token_budget import TokenBudget
 from .detokenize import IncrementalDetokenizer, StopStringMatcher
 
 _END = object()

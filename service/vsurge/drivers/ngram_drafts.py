@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..contracts.sampling_params import SamplingParams
+from ..contracts.token_budget import TokenBudget
 from ..engines.spec_verify import plain_sampling
 from ..engines.speculative import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, propose_ngram
-from ..sampling_params import SamplingParams
-from ..token_budget import TokenBudget
 
 __all__ = ["NgramDrafts", "may_speculate"]
 

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine_config import EngineConfig
+from ..contracts.engine_config import EngineConfig
 from ..engines.host_arrays import put_host
 from ..engines.mixed_step import ChunkWork
 from ..engines.oengine import oEngine

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..request import QueueFullError
+from ..contracts.request import QueueFullError
 from .active_request import ActiveRequest
 from .lanes import STOP, Abort, FirstToken, Preempt, Step, requests_of
 from .metrics import MetricsRecorder

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..engine_config import EngineConfig
+from ..contracts.engine_config import EngineConfig
 from ..engines.prefill_rows import first_fit
 from ..engines.vengine import vEngine
 from .active_request import ActiveRequest

@@ -8,7 +8,7 @@ Why: a start compiles every program from example arguments (`engine_base.compile
 cache only learns those signatures once a real call traces and lowers the program again, which at a warm
 start is most of its time (a v5e, the 1B shape: 69 programs, ~6 s of tracing and ~6 s of lowering under
 one GIL, for executables JAX's cache already held). An executable read from disk
-(vsurge/executable_store.py) has no jit behind it at all: this is how calls reach it.
+(vsurge/models/compiled/executable_store.py) has no jit behind it at all: this is how calls reach it.
 """
 
 from __future__ import annotations

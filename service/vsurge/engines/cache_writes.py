@@ -1,7 +1,7 @@
 """No entry in JAX's persistent cache for a program the executable store keeps.
 
 Each program a cold start compiles was serialized, compressed and written twice: into JAX's cache by the
-compiling thread, then into the executable store (vsurge/executable_store.py), which is what a warm start
+compiling thread, then into the executable store (vsurge/models/compiled/executable_store.py), which is what a warm start
 reads. Inside `skipping_jax_cache_writes` the calling thread's compiles write nothing to JAX's cache, so
 each executable is serialized once, on the store's writer thread, off the start's critical path (a v5e,
 the 1B shape: 345 MB of executables). A start whose store key changed (the vsurge code, say) compiles

@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..contracts.request import TokenLogprob
+from ..contracts.sampling_params import MAX_TOP_LOGPROBS
 from ..models.lora import has_bank
-from ..request import TokenLogprob
-from ..sampling_params import MAX_TOP_LOGPROBS
 from .aot_program import program
 from .layered_chunk import LayeredChunk
 from .sampling import _top_k, sharded_sampling

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..sampling_params import SamplingParams
+from ..contracts.sampling_params import SamplingParams
 from ..structured.bitmask import bitmask_words
 from .sampling import make_slot_sampling
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..executable_store import store_for
+from ..models.compiled.executable_store import store_for
 from .compile_watch import compiled_during
 from .dense_run_once import GREEDY, Prefixes, long_prefix_args, run_once_jobs
 from .engine_base import compile_jobs

@@ -17,9 +17,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..cache_reads import serialize_cache_reads
-from ..engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
-from ..executable_store import release_prefetched
+from ..contracts.engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
+from ..models.compiled.cache_reads import serialize_cache_reads
+from ..models.compiled.executable_store import release_prefetched
 from ..models.lora import attach_bank, detach_bank
 from ..models.sharding import place_params
 from ..models.target import target_backend
@@ -295,7 +295,7 @@ def compile_jobs(
     threads (XLA compiles without the GIL), saying each one's time; returns (name, seconds) per job.
 
     An `AotProgram` (aot_program.py) is handed its executable, so calls with the example's signature run it;
-    with a ``store`` (vsurge/executable_store.py) a program kept there is read instead of built (its arguments
+    with a ``store`` (vsurge/models/compiled/executable_store.py) a program kept there is read instead of built (its arguments
     never made), and one built is kept."""
 
     release_prefetched(store.directory if store is not None else None)

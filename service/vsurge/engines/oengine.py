@@ -37,10 +37,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..engine_config import DEFAULT_SEED, EngineConfig
+from ..contracts.engine_config import DEFAULT_SEED, EngineConfig
+from ..contracts.sampling_params import SamplingParams
 from ..models.pallas_sharded import configure as configure_attention
 from ..models.target import target_backend
-from ..sampling_params import SamplingParams
 from ..seed_args import ENGINE_ARGS, default, seed_engine_config
 from .engine_base import EngineBase, _doubling, compile_jobs, decode_buckets, resolve_token_budget
 from .host_arrays import put_host

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..token_budget import TokenBudget
+from ..contracts.token_budget import TokenBudget
 from .paging import HBMPageManager
 
 

@@ -88,7 +88,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from vsurge.sampling_params import MAX_TOP_LOGPROBS
+from vsurge.contracts.sampling_params import MAX_TOP_LOGPROBS
 
 from .sampling_filters import _exact_row_mask, exact_rows_cpu, exact_rows_vectorized
 from .sampling_logprobs import logprob_outputs

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vsurge.sampling_params import MAX_ALLOWED_TOKEN_IDS, SamplingParams
+from vsurge.contracts.sampling_params import MAX_ALLOWED_TOKEN_IDS, SamplingParams
 
 from ..structured.bitmask import bitmask_words
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..sampling_params import SamplingParams
+from ..contracts.sampling_params import SamplingParams
 from .seed_layer import SeedEngineLayer, host_key
 from .seed_types import ResultTokens, SeedPrefix
 

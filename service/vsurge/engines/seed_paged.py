@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..sampling_params import SamplingParams
+from ..contracts.sampling_params import SamplingParams
 from .mixed_step import ChunkWork
 from .seed_layer import SeedEngineLayer, host_key
 from .seed_prefix import PagedPrefix, insert_prefixes, prefill_prefix

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..sampling_params import SamplingParams
+from ..contracts.sampling_params import SamplingParams
 from .mixed_step import ChunkWork
 from .page_scheduler import plan_chunks
 from .seed_dense import prompt_ids

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..contracts.sampling_params import SamplingParams
 from ..models.attention import as_given, flat_cache, kv_store, read_chunk, read_dense_rows, to_flat
 from ..models.lora import has_bank
-from ..sampling_params import SamplingParams
 from .aot_program import program
 from .engine_base import constrain, sampling_context
 from .sampling import SlotSampling, sample

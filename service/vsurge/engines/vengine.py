@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine_config import DEFAULT_SEED, EngineConfig
-from ..sampling_params import SamplingParams
+from ..contracts.engine_config import DEFAULT_SEED, EngineConfig
+from ..contracts.sampling_params import SamplingParams
 from ..seed_args import ENGINE_ARGS, default, seed_engine_config
 from .aot_program import program
 from .bf16_weights import bf16_kernels, decode_weights
@@ -184,7 +184,7 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
             else DenseMixedStep(self, resolve_token_budget(budget, self.max_concurrent_decodes))
         )
         self.compiled = False
-        self.executable_store = None  # compile()'s, where one is on (vsurge/executable_store.py)
+        self.executable_store = None  # compile()'s, where one is on (vsurge/models/compiled/executable_store.py)
 
     # ------------------------------------------------------------------ state
     def _wants_bf16(self, knob: str) -> bool:

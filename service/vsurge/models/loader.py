@@ -254,7 +254,7 @@ def _hf_tokenizer(directory: str):
 def _prefetch_executables(cfg: ModelConfig, dtype: Any, quantization: str | None) -> None:
     """Start reading the executables the last engine on this model kept (executable_store.py), so they
     load while the weights do."""
-    from ..executable_store import prefetch
+    from .compiled.executable_store import prefetch
 
     prefetch(cfg, resolve_dtype(dtype), check_quantization(quantization))
 

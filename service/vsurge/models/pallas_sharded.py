@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ..engine_config import ATTENTION_BACKENDS
+from ..contracts.engine_config import ATTENTION_BACKENDS
 from . import kernel_tables
 from .kv_layout import KVLayout, kv_heads_error, kv_layout
 from .target import target_backend, target_device_kind  # noqa: F401 - target_device_kind: also ours

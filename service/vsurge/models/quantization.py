@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..engine_config import QUANTIZATIONS  # one list of choices: the config's
+from ..contracts.engine_config import QUANTIZATIONS  # one list of choices: the config's
 from .target import target_backend
 
 __all__ = [

@@ -214,14 +214,14 @@ def engine_setup(engine: Any, config: Any) -> dict[str, Any]:
 
 def register_records() -> None:
     """The engine's records that cross the lane (wire.RECORDS), by name."""
-    from ..engine_config import EngineConfig
+    from ..contracts.engine_config import EngineConfig
+    from ..contracts.sampling_params import SamplingParams
     from ..engines.dense_mixed import Chunk
     from ..engines.mixed_step import ChunkWork
     from ..engines.oengine import PagedState, SeqInputs
     from ..engines.sampling import SampleResult, SlotSampling
     from ..engines.spec_verify import VerifyStep
     from ..engines.vengine import GenerationState, Prefix
-    from ..sampling_params import SamplingParams
 
     for cls in (GenerationState, Prefix, PagedState, SeqInputs, SampleResult, SlotSampling, VerifyStep):
         wire.register(cls)

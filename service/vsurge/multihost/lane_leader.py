@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..request import EngineUnavailableError
+from ..contracts.request import EngineUnavailableError
 from . import channel as ch
 from . import wire
 from .engine_proxy import LONG_METHODS, register_records

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..request import EngineUnavailableError, RequestFailedError
+from ..contracts.request import EngineUnavailableError, RequestFailedError
 from . import channel as ch
 from .engine_proxy import LeaderEngine, build_engine, engine_setup
 from .lane_leader import LeaderLane

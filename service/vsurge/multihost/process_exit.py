@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from ..request import EngineUnavailableError
+from ..contracts.request import EngineUnavailableError
 
 
 class GroupFailedError(EngineUnavailableError):

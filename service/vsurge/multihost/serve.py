@@ -84,7 +84,7 @@ def holding(model: Any) -> str:
 def run_worker(cfg: Any, start: GroupStart) -> None:
     """A worker's whole life: connect to the leader's lane, load the model's shards, replay its engine
     calls; ends the process (0: the leader stopped, 1: an error here or there, 3: the leader is gone)."""
-    from ..compilation_cache import enable_compilation_cache
+    from ..models.compiled.compilation_cache import enable_compilation_cache
     from ..models.loader import load_model
     from .lane_worker import WorkerLane
 

@@ -389,10 +389,10 @@ def build_app(cfg: RouterConfig, *, api_client: Any = None, tracer_provider: Any
     """Everything `vsurge route` runs, from its settings; `api_client` replaces the Kubernetes login,
     `tracer_provider` the OTEL_* environment."""
     from .kube import KubeDiscovery, KubeScaler, load_api_client
+    from .load_picking import LoadTracker
     from .loadpoll import LoadBook, LoadPoller
     from .lora import AdapterBook, AdapterPoller
-    from .picker import ForgetGonePods, Picker
-    from .picking import LoadTracker
+    from .policies import ForgetGonePods, Picker
     from .slices import EndpointSliceDiscovery
     from .static import StaticDiscovery
     from .tenants import ApiKeys

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vsurge.env_options import add_env_arguments, flag_or_env_values, parse_env
+from vsurge.contracts.env_options import add_env_arguments, flag_or_env_values, parse_env
 
 
 class RouteConfigError(ValueError):

@@ -5,7 +5,7 @@
 headers and body over an ext_proc stream; the picker answers where it goes, with fallbacks, and the proxy
 sends it there itself (the router does not relay the bytes).
 
-The decision is the router's own (picker.py): the model from the body's `model` (or the
+The decision is the router's own (policies.py): the model from the body's `model` (or the
 `x-gateway-model-name` header when the proxy sends no body), its pods from the EndpointSlices (or the
 proxy's subset hint, which restricts them), the policy of the model (`prefix` for paged-driver pods:
 prefix-cache affinity with bounded load; else least-load on the pods' `/load`: queue, decode slots and KV
@@ -33,7 +33,7 @@ from . import epp_protocol as epp
 from . import errors
 from .admission import Gate
 from .metrics import RouterMetrics
-from .picker import Picker
+from .policies import Picker
 from .prefix import request_hashes
 from .table import EndpointTable
 from .tenants import Tenant

@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
+from .load_picking import LoadReport, LoadTracker, parse_load
 from .metrics import RouterMetrics
-from .picking import LoadReport, LoadTracker, parse_load
 from .upstream_polls import UpstreamPollers
 
 log = logging.getLogger(__name__)

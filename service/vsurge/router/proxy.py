@@ -1,6 +1,6 @@
 """Forwarding one request to a pod, and streaming its answer back unbuffered.
 
-The picker (picker.py) chooses the pod for each attempt. An attempt that did not reach the model is
+The picker (policies.py) chooses the pod for each attempt. An attempt that did not reach the model is
 retried on another pod, once by default (`--max-attempts 2`): the connection was refused or timed out,
 it dropped before the first byte of the answer, or the pod answered 503 (starting or draining, with
 Retry-After) or 429 (its queue is full). Nothing has reached the client then: the router holds the
@@ -28,7 +28,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from .metrics import RouterMetrics
-from .picker import Decision, Picker
+from .policies import Decision, Picker
 from .usage import UsageScanner
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,6 @@ from starlette.routing import Route
 from . import errors
 from .chat_runs import ChatRuns
 from .embeddings import EmbeddingRoutes
-from .engine import ServedModel, _error_response
 from .errors import APIError
 from .generation import GenerationRoutes
 from .info_routes import InfoRoutes
@@ -37,6 +36,7 @@ from .parsing import read_json
 from .render_routes import RenderRoutes
 from .responses_routes import ResponsesRoutes
 from .responses_store import ResponseStore
+from .served_model import ServedModel, _error_response
 from .token_routes import TokenRoutes
 from .tracing import Tracing
 

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vsurge.request import ReturnSample, vSurgeMetadata, vSurgeRequest
-from vsurge.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from vsurge.contracts.request import ReturnSample, vSurgeMetadata, vSurgeRequest
+from vsurge.contracts.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 from .streams import engine_events
 

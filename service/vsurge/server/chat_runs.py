@@ -17,9 +17,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from . import errors
-from .engine import ServedModel, _error_response
 from .errors import APIError
 from .parsing import GenerationPlan
+from .served_model import ServedModel, _error_response
 from .shaping import Collector
 from .streams import ClientDisconnected, engine_events, run_until_disconnect
 from .tool_parsers import resolve_choice

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vsurge.request import ReturnSample
+from vsurge.contracts.request import ReturnSample
 
 from .logprob_shapes import chat_logprob_entries, chat_logprobs, completion_logprobs, echo_logprobs
 from .logprob_shapes import prompt_logprob_entries as _prompt_lps

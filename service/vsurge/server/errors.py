@@ -11,8 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vsurge.request import EngineUnavailableError, PromptTooLongError, QueueFullError, RequestFailedError
-from vsurge.sampling_params import InvalidSamplingParams
+from vsurge.contracts.request import (
+    EngineUnavailableError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestFailedError,
+)
+from vsurge.contracts.sampling_params import InvalidSamplingParams
 
 # Seconds a client should wait before retrying a 429 / 503; small because slots free up quickly.
 RETRY_AFTER_S = 1

@@ -12,14 +12,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vsurge.request import ReturnSample, vSurgeMetadata, vSurgeRequest
+from vsurge.contracts.request import ReturnSample, vSurgeMetadata, vSurgeRequest
 
 from . import beam_search, errors
-from .engine import ServedModel, _decode, _error_response
 from .errors import APIError
 from .parsing import GenerationPlan, plan_chat, plan_completion, validate
 from .prompts import tokenize_prompts
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .served_model import ServedModel, _decode, _error_response
 from .shaping import (
     SSE_DONE,
     ChunkWriter,

@@ -11,13 +11,13 @@ from starlette.responses import JSONResponse, Response
 from vsurge.version import __version__
 
 from . import errors
-from .engine import _error_response, _model_card
 from .errors import APIError
 from .lifecycle import READY
 from .load import load_report
 from .lora_routes import listed_adapters
 from .metrics import CONTENT_TYPE
 from .route_helpers import answers_api_errors
+from .served_model import _error_response, _model_card
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from . import errors
-from .engine import ServedModel, _vocab_size, public_root
 from .logprob_shapes import TokenDecoder
+from .served_model import ServedModel, _vocab_size, public_root
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vsurge.request import TokenLogprob
+from vsurge.contracts.request import TokenLogprob
 
 # JSON has no -inf; OpenAI-compatible servers send a large negative number for impossible tokens.
 LOGPROB_FLOOR = -9999.0

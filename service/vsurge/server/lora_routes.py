@@ -25,9 +25,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from . import errors
-from .engine import ServedModel, _error_response, public_root
 from .errors import APIError
 from .route_helpers import answers_api_errors
+from .served_model import ServedModel, _error_response, public_root
 
 log = logging.getLogger(__name__)
 

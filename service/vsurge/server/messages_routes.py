@@ -23,9 +23,9 @@ from .anthropic_messages import (
     stop_details,
 )
 from .chat_runs import ChatOutcome, outcome_of
-from .engine import ServedModel, _decode
 from .errors import APIError
 from .parsing import GenerationPlan
+from .served_model import ServedModel, _decode
 from .streams import SSEResponse
 from .wire import dumps
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vsurge.sampling_params import MAX_N, SamplingParams
+from vsurge.contracts.sampling_params import MAX_N, SamplingParams
 
 from .body import read_json, validate, validation_error
 from .errors import invalid_request

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vsurge.sampling_params import MAX_N
+from vsurge.contracts.sampling_params import MAX_N
 
 from .errors import invalid_request
 from .sampling_fields import out_of_vocabulary

@@ -18,9 +18,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .engine import _decode
 from .errors import invalid_request
 from .parsing import GenerationPlan
+from .served_model import _decode
 from .wire import dumps
 
 

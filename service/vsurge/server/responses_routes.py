@@ -13,7 +13,6 @@ from starlette.responses import Response
 
 from . import errors
 from .chat_runs import ChatOutcome, outcome_of
-from .engine import ServedModel
 from .errors import APIError
 from .parsing import GenerationPlan
 from .responses_api import PARAM_NAMES, ResponsesPlan, parse_responses
@@ -27,6 +26,7 @@ from .responses_shapes import (
     responses_usage,
 )
 from .responses_store import StoredResponse
+from .served_model import ServedModel
 from .streams import ClientDisconnected, SSEResponse
 from .wire import dumps
 

@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from . import errors
-from .engine import _error_response
 from .errors import APIError
+from .served_model import _error_response
 
 log = logging.getLogger(__name__)
 

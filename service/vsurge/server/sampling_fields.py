@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vsurge.sampling_params import InvalidSamplingParams, SamplingParams
+from vsurge.contracts.sampling_params import InvalidSamplingParams, SamplingParams
 
 from .errors import invalid_request, unsupported_field
 from .schemas import ChatCompletionRequest, CompletionRequest

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vsurge.request import ReturnSample, TokenLogprob
+from vsurge.contracts.request import ReturnSample, TokenLogprob
 
 from .chunks import ChunkWriter
 from .logprob_shapes import (

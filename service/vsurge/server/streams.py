@@ -15,7 +15,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from vsurge.request import vSurgeRequest
+from vsurge.contracts.request import vSurgeRequest
 
 
 class ClientDisconnected(Exception):

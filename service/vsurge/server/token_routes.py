@@ -9,10 +9,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from . import errors
-from .engine import ServedModel
 from .messages import check_generation_prompt, messages_to_dicts, render_chat
 from .route_helpers import answers_api_errors
 from .schemas import CountTokenRequest, DetokenizeRequest, TokenizeRequest
+from .served_model import ServedModel
 from .structured_outputs import parse_tools
 
 # tokenizer_config keys that are file paths on the server, not configuration

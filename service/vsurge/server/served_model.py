@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from starlette.responses import Response
 
-from vsurge.request import ReturnSample, vSurgeRequest
+from vsurge.contracts.request import ReturnSample, vSurgeRequest
 
 from .errors import APIError
 from .logprob_shapes import TokenDecoder

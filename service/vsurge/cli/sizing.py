@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .engine_config import MAX_LENGTH_CAP
+from ..contracts.engine_config import MAX_LENGTH_CAP
 
 __all__ = ["Sizing", "size", "slot_cap", "measure", "estimate", "cpu_count", "host_memory_bytes"]
 

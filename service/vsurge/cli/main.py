@@ -21,11 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vsurge.compilation_cache import enable_compilation_cache as _enable_compilation_cache
-from vsurge.router import cli as router_cli
-
 # the parser's names, as callers have always imported them from here
-from vsurge.serve_options import (  # noqa: F401
+from vsurge.cli.serve_options import (  # noqa: F401
     DEFAULT_PORT,
     ENGINE_FIELDS,
     ENGINE_OPTIONS,
@@ -37,6 +34,7 @@ from vsurge.serve_options import (  # noqa: F401
     config_from_namespace,
     parse_serve_config,
 )
+from vsurge.router import cli as router_cli
 
 # ---------------------------------------------------------------------------------------- serve
 
@@ -50,10 +48,10 @@ def build_surge(cfg: ServeConfig, model: Any, processor: Any, mesh: Any = None) 
 
 def size_engine(cfg: ServeConfig, model: Any, mesh: Any, say: Callable[[str], None]) -> None:
     """Slots and context the flags left unset, sized from the memory the loaded weights leave
-    (vsurge/sizing.py); says the numbers it used."""
+    (vsurge/cli/sizing.py); says the numbers it used."""
     import jax
 
-    from vsurge import sizing
+    from vsurge.cli import sizing
 
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     sized = sizing.measure(cfg.engine, cfg.set_knobs, model, cfg.dtype, devices)
@@ -93,9 +91,10 @@ def run_serve(cfg: ServeConfig) -> int:
     def startup(api: vSurgeApiServer, say: Callable[[str], None]) -> None:
         say(f"loading model {cfg.model}")
         t0 = time.perf_counter()
+        from vsurge.models.compiled.compilation_cache import enable_compilation_cache
         from vsurge.models.loader import load_model
 
-        _enable_compilation_cache()
+        enable_compilation_cache()
 
         mesh = None
         if cfg.mesh:
@@ -215,7 +214,7 @@ def _run_serve_ns(ns: argparse.Namespace) -> int:
         print(f"vsurge serve: {e}", file=sys.stderr)
         return 2
     if getattr(ns, "print_config", False):
-        from vsurge.print_config import print_config
+        from vsurge.cli.print_config import print_config
 
         return print_config(cfg)
     return run_serve(cfg)
@@ -244,9 +243,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     return int(args._run(args) or 0)
-
-
-if __name__ == "__main__":
-    from vsurge.cli import main as _main  # plugins register into vsurge.cli, not this __main__ copy
-
-    sys.exit(_main())

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..seed_args import default, given
 from .sampling_params import SamplingParams
-from .seed_args import default, given
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

@@ -1,6 +1,6 @@
 """The routing policies over one model's pods: `least-load`, `prefix` and `round-robin`.
 
-- `least-load`: the pod with the most headroom (picking.pick_least_load).
+- `least-load`: the pod with the most headroom (load_picking.pick_least_load).
 - `prefix`: requests that share a prompt prefix go to a pod that holds its KV pages. The prompt's chained
   block hashes (prefix.py) are looked up in a per-model index of the pods recent requests went to: the
   deepest block seen, if it is at least as deep as the ring key, on a pod under the load bound, wins (a
@@ -14,7 +14,7 @@
 
 `routing=None` ("auto") picks per model: `prefix` when its pods report the paged driver (odriver, the
 one with a prefix cache), else `least-load`. A retry excludes the pods already tried and picks again by
-the same policy. Loads are `picking.estimated_load`: the router's own in-flight requests plus what `/load`
+the same policy. Loads are `load_picking.estimated_load`: the router's own in-flight requests plus what `/load`
 reports.
 """
 
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .hashring import DEFAULT_VNODES, HashRing, bounded_pick, load_bound
+from .load_picking import LoadReport, LoadTracker, estimated_load, pick_least_load, pick_round_robin, usable
 from .loadpoll import LoadBook
 from .lora import AdapterBook, adapter_candidates
-from .picking import LoadReport, LoadTracker, estimated_load, pick_least_load, pick_round_robin, usable
 
 POLICIES = ("least-load", "prefix", "round-robin")
 

@@ -30,8 +30,8 @@ def local_model_config(model: str) -> Any:
 
 
 def sizing_rows(cfg: Any, model_config: Any, devices: list[Any], rows: list[Any]) -> tuple[list[Any], str]:
-    """``rows`` with slots and context as serve sizes them (vsurge/sizing.py), and the line saying why."""
-    from vsurge import sizing
+    """``rows`` with slots and context as serve sizes them (vsurge/cli/sizing.py), and the line saying why."""
+    from vsurge.cli import sizing
 
     if model_config is None:
         backend, memory = sizing.device_memory_bytes(devices)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vsurge.engine_config import EngineConfig, env_name, flag_name, serve_fields
-from vsurge.env_options import (
+from vsurge.contracts.engine_config import EngineConfig, env_name, flag_name, serve_fields
+from vsurge.contracts.env_options import (
     add_env_arguments,
     flag_or_env_values,
     parse_choice,
@@ -276,7 +276,7 @@ class ServeConfig:
     loras: tuple[tuple[str, str], ...] = ()
     enable_lora_runtime_updates: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
-    # the engine knobs a flag or a variable set: serve sizes the others from the device (vsurge/sizing.py);
+    # the engine knobs a flag or a variable set: serve sizes the others from the device (vsurge/cli/sizing.py);
     # None (a ServeConfig built in Python): those that differ from EngineConfig's defaults
     explicit: frozenset[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)

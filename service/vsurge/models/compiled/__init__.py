@@ -1,0 +1,4 @@
+"""Compiled programs kept across starts: JAX's persistent compilation cache (`compilation_cache`), the
+store of serialized executables (`executable_store`), one read of them at a time (`cache_reads`) and the
+signatures that keep a tampered file from being loaded (`cache_signing`).
+"""
