@@ -223,7 +223,7 @@ class EngineConfig:
         16,
         "decode slots (concurrent sequences)",
         check=at_least(1), serve=True, text=parse_int, metavar="N", limits=(1, 4096),
-        shown="sized from the device's memory (vsurge/sizing.py; 16 from Python)",
+        shown="sized from the device's memory (vsurge/cli/sizing.py; 16 from Python)",
     )  # fmt: skip
     max_concurrent_prefill: int | None = knob(
         None,
@@ -305,7 +305,7 @@ class EngineConfig:
     hbm_utilization: float = knob(
         0.6,
         "fraction of the device memory the weights leave that the KV cache may take: odriver's pages, and "
-        "vsurge serve's default slots and context (vsurge/sizing.py)",
+        "vsurge serve's default slots and context (vsurge/cli/sizing.py)",
         check=_fraction,
         serve=True,
         text=parse_float,

@@ -42,7 +42,7 @@ def serialize_cache_reads() -> None:
 @contextlib.contextmanager
 def one_read_at_a_time() -> Iterator[None]:
     """Hold the process's read lock, which JAX's cache reads then hold too: for a deserialization of our
-    own (the executable store's, vsurge/executable_store.py)."""
+    own (the executable store's, executable_store.py)."""
     serialize_cache_reads()
     with _lock:
         yield

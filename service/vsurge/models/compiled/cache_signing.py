@@ -1,6 +1,6 @@
 """Signed files for caches that other writers can reach: an HMAC-SHA256 checked before anything is parsed.
 
-The executable store (vsurge/executable_store.py) keeps pickles under JAX's compilation cache dir, which in
+The executable store (executable_store.py) keeps pickles under JAX's compilation cache dir, which in
 Kubernetes is a claim shared by every pod of a model: whoever can write there could plant a pickle that
 runs code in the next pod that starts. So every stored file is ``MAGIC + tag + payload``, the tag an
 HMAC-SHA256 over the magic, the file's name in the store and the payload; a reader checks it

@@ -6,7 +6,7 @@ and jax.experimental.serialize_executable says of the same load: "Even loading s
 run arbitrary code on your machine". The cache dir can be a volume other pods write to (the operator's
 compile-cache claim), so with ``VSURGE_CACHE_HMAC_KEY`` set (the operator sets it on every pod of a
 model) `sign_jax_cache` wraps JAX's cache object: every entry is written signed and read back only if its
-HMAC-SHA256 (vsurge/cache_signing.py, the executable store's key) matches, checked before JAX sees a byte.
+HMAC-SHA256 (cache_signing.py, the executable store's key) matches, checked before JAX sees a byte.
 An entry that fails is refused with a warning and JAX compiles and rewrites it. Without the variable the
 cache is JAX's own format: a dir only its user can write gains nothing from a key kept by that same user,
 and a process that signs and one that does not would each refuse the other's entries (the test suite's

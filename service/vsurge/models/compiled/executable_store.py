@@ -16,12 +16,12 @@ for its own key and reads the rest itself. A prefetch for another engine key is 
 
 Where: ``<JAX's compilation cache dir>/vsurge-executables/<engine key>/<program key>.pkl`` (`vsurge serve`
 sets that dir to ``$VSURGE_CACHE_DIR/jax``). On by default where JAX's cache is on and the backend is not
-the CPU (XLA:CPU has crashed reading executables back, vsurge/cache_reads.py: there, reads take turns);
+the CPU (XLA:CPU has crashed reading executables back, cache_reads.py: there, reads take turns);
 ``VSURGE_EXECUTABLE_STORE=1`` turns it on for the CPU too, ``0`` off. Single-process engines only: a
 multi-host group's executable spans processes that must agree on it, which JAX's own cache handles.
 A file that cannot be read (truncated, another JAX) is compiled over, never fatal.
 
-Every file is signed (vsurge/cache_signing.py: an HMAC-SHA256 with ``VSURGE_CACHE_HMAC_KEY`` or a per-host
+Every file is signed (cache_signing.py: an HMAC-SHA256 with ``VSURGE_CACHE_HMAC_KEY`` or a per-host
 key kept outside the cache dir) and its tag is checked on the raw bytes before anything is unpickled: the
 directory may be a volume other pods write to, and a pickle runs code when it loads. A tampered, foreign
 (another key) or unsigned file is refused with a warning, compiled over and rewritten.
