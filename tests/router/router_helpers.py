@@ -295,7 +295,7 @@ def load_report(
     driver: str = "vdriver",
     model: str = "alpha",
 ) -> dict[str, Any]:
-    """A `/load` body as `vsurge serve` writes it (server/load.py)."""
+    """A `/load` body as `vsurge serve` writes it (server/load_report.py)."""
     per_model = {
         "driver": driver,
         "requests_waiting": waiting,

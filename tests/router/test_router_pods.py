@@ -1,6 +1,6 @@
 """Picking pods by what they report, prefix affinity and the retry rules, against fake pods on loopback.
 
-Each FakeUpstream answers `GET /load` with the report the test sets (server/load.py's shape); the router
+Each FakeUpstream answers `GET /load` with the report the test sets (server/load_report.py's shape); the router
 polls it every 50 ms here. Verdicts wait for the router to have seen a report (its poll counter), never
 for a wall-clock delay.
 """

@@ -19,7 +19,7 @@ MESSAGES = [{"role": "user", "content": "Hello world"}]
 
 def test_load_report_from_driver_counters():
     from vsurge.drivers.metrics import DriverMetrics
-    from vsurge.server.load import load_report
+    from vsurge.server.load_report import load_report
 
     dense = DriverMetrics(slots_used=3, slots_total=8, requests_running=3, requests_waiting=2)
     paged = DriverMetrics(slots_used=1, slots_total=4, requests_running=1, pages_used=30, pages_total=120)

@@ -13,7 +13,7 @@ from vsurge.version import __version__
 from . import errors
 from .errors import APIError
 from .lifecycle import READY
-from .load import load_report
+from .load_report import load_report
 from .lora_routes import listed_adapters
 from .metrics import CONTENT_TYPE
 from .route_helpers import answers_api_errors
@@ -84,7 +84,7 @@ class InfoRoutes:
         )
 
     async def load(self, request: Request) -> Response:
-        """GET /load: the router's view of this replica (load.py): vLLM's server_load (requests in flight)
+        """GET /load: the router's view of this replica (load_report.py): vLLM's server_load (requests in flight)
         plus waiting / running requests, free decode slots and KV use, per model and in total. Host
         counters only; no authentication, like the probes (it reveals no request content)."""
         metrics = {}
