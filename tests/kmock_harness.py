@@ -39,6 +39,7 @@ import kmock
 import kubernetes
 import yaml
 from kmock._internal import parsing as kmock_parsing
+from patience import ceiling, note_slow
 
 from vsurge_operator import kube
 
@@ -265,7 +266,7 @@ class KMockCluster:
     # lifecycle
     def start(self) -> KMockCluster:
         self._thread.start()
-        if not self._ready.wait(15):
+        if not self._ready.wait(ceiling(15)):
             raise RuntimeError("kmock did not start")
         if self._error:
             raise self._error
@@ -411,17 +412,25 @@ def free_port() -> int:
 
 
 def wait_for(
-    predicate: Callable[[], Any], timeout: float = 15, interval: float = 0.05, message: str = ""
+    predicate: Callable[[], Any],
+    timeout: float = 15,
+    interval: float = 0.05,
+    message: str = "",
+    exact: bool = False,
 ) -> Any:
-    """Poll until ``predicate`` returns something truthy; return it, or fail with ``message``."""
-    deadline = time.monotonic() + timeout
+    """Poll until ``predicate`` returns something truthy; return it, or fail with ``message``. ``timeout``
+    is what an idle machine needs: the wait gives up at ``patience.ceiling(timeout)`` (``exact``: at
+    ``timeout``, for a try that a caller repeats)."""
+    start = time.monotonic()
+    limit = timeout if exact else ceiling(timeout)
     last: Any = None
-    while time.monotonic() < deadline:
+    while time.monotonic() < start + limit:
         last = predicate()
         if last:
+            note_slow(time.monotonic() - start, timeout, message)
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s: {message} (last: {last!r})")
+    raise AssertionError(f"timed out after {limit:g}s: {message} (last: {last!r})")
 
 
 class LoggedProcess:
@@ -441,19 +450,22 @@ class LoggedProcess:
         return self
 
     def wait_http(self, url: str, timeout: float) -> None:
-        """Until GET ``url`` answers 200; fails early, with the log, if the process dies."""
-        deadline = time.monotonic() + timeout
+        """Until GET ``url`` answers 200 (``timeout``: on an idle machine, see patience.py); fails early,
+        with the log, if the process dies."""
+        start = time.monotonic()
+        deadline = start + ceiling(timeout)
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.args[:3]} exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(url, timeout=2).status_code == 200:
+                if httpx.get(url, timeout=10).status_code == 200:
+                    note_slow(time.monotonic() - start, timeout, url)
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise AssertionError(f"{url} not ready in {timeout}s:\n{self.log()}")
+        raise AssertionError(f"{url} not ready in {ceiling(timeout):g}s:\n{self.log()}")
 
     def kill(self) -> None:
         assert self.proc is not None

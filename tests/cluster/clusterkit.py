@@ -22,6 +22,7 @@ from kmock_harness import LoggedProcess, clean_env, vsurge_command  # noqa: F401
 from kmock_harness import wait_for as _wait_for
 from kubernetes.client.exceptions import ApiException
 from operator_harness import OperatorProcess
+from patience import ceiling
 
 from vsurge_operator import kube
 
@@ -306,7 +307,7 @@ def service_account_token(api: kube.Kube, namespace: str, name: str, timeout: fl
     """The token of a ServiceAccount: 1.20's controller-manager writes it into a Secret of its own."""
     import base64
 
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + ceiling(timeout)
     while time.monotonic() < deadline:
         sa = api.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
         for ref in sa.get("secrets") or []:

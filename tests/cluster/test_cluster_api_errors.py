@@ -22,8 +22,6 @@ from clusterkit import IM, Kubelet, condition, events, inference_model, start_op
 
 from vsurge_operator import kube
 
-pytestmark = pytest.mark.timeout(120)
-
 WEBHOOKS = kube.Resource("admissionregistration.k8s.io/v1", "validatingwebhookconfigurations", "X")
 
 

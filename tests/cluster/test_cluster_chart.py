@@ -29,8 +29,6 @@ import pytest
 import yaml
 from clusterkit import KIT, REPO, ensure_namespace, helm_order, render_chart, server_side_apply
 
-pytestmark = pytest.mark.timeout(120)
-
 STAND_IN_CRDS = [  # (group, kind, plural, scope)
     ("monitoring.coreos.com", "ServiceMonitor", "servicemonitors", "Namespaced"),
     ("monitoring.googleapis.com", "PodMonitoring", "podmonitorings", "Namespaced"),

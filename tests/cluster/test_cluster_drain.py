@@ -106,7 +106,7 @@ class Container:
 
 def _ready(url: str) -> int:
     try:
-        return httpx.get(f"{url}/readiness", timeout=5).status_code
+        return httpx.get(f"{url}/readiness", timeout=30).status_code
     except httpx.HTTPError:
         return 0
 

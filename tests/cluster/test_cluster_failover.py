@@ -32,8 +32,6 @@ from clusterkit import (
 
 from vsurge_operator import kube
 
-pytestmark = pytest.mark.timeout(240)
-
 PEERING = "vsurge-operator"
 LIFETIME_S = 6  # --peering-lifetime of the test (the chart's default is 15 s)
 BOUND_MARGIN_S = 20

@@ -18,7 +18,6 @@ from clusterkit import KIT, REPO, dump, inference_model
 from vsurge_operator import kube, reconcile
 from vsurge_operator.config import OperatorConfig
 
-pytestmark = pytest.mark.timeout(180)
 POOL_CRD = REPO / "tests" / "fixtures" / "gateway-crds" / "inferencepools.inference.networking.k8s.io.yaml"
 MULTI = {"accelerator": "tpu-v6e-slice", "topology": "4x4"}
 CONFIG = OperatorConfig(

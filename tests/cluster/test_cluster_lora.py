@@ -22,8 +22,6 @@ from kubernetes.client.exceptions import ApiException
 
 from vsurge_operator import kube, validation
 
-pytestmark = pytest.mark.timeout(180)
-
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inferencemodel-lora.yaml"
 DEPLOYMENT = kube.Resource("apps/v1", "deployments", "Deployment")
 

@@ -24,8 +24,6 @@ from clusterkit import (
 
 from vsurge_operator import kube, lane
 
-pytestmark = pytest.mark.timeout(180)
-
 
 @pytest.fixture
 def api(k8s):

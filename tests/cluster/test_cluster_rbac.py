@@ -35,8 +35,6 @@ from kubernetes.client.exceptions import ApiException
 
 from vsurge_operator import kube
 
-pytestmark = pytest.mark.timeout(180)
-
 RELEASE_NS = "vsurge-system"
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 
@@ -264,7 +262,7 @@ def _client(kubeconfig):
 
 def _models(url: str) -> dict[str, bool]:
     try:
-        data = httpx.get(f"{url}/v1/models", timeout=5).json()["data"]
+        data = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
     except (httpx.HTTPError, KeyError, ValueError):
         return {}
     return {m["id"]: m.get("ready") for m in data}

@@ -17,14 +17,11 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from clusterkit import IM, clean_env, inference_model, vsurge_command, wait_for
 from kmock_harness import LoggedProcess, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 from router_helpers import FakeUpstream, ThreadedServer  # noqa: E402
-
-pytestmark = pytest.mark.timeout(120)
 
 
 def _completed_watches(k8s) -> int:
@@ -47,7 +44,7 @@ def _completed_watches(k8s) -> int:
 
 def _models(url: str) -> dict[str, bool] | None:
     try:
-        return {m["id"]: m.get("ready") for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
+        return {m["id"]: m.get("ready") for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
     except (httpx.HTTPError, KeyError, ValueError):
         return None
 

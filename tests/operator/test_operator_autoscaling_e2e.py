@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from kmock_harness import KMockCluster, wait_for
+from patience import ceiling
 
 from vsurge_operator import kube
-
-pytestmark = pytest.mark.timeout(120)
 
 IM = "vsurge.io/v1alpha1/inferencemodels"
 DEP = "apps/v1/deployments"
@@ -67,7 +65,7 @@ def test_replicas_follow_occupancy_within_windows_and_bounds(
     board.occupancy = 0.95
     t_up = time.monotonic()
     wait_for(lambda: _replicas(cluster, namespace, "auto") == 3, 15, message="scaled up to max")
-    assert time.monotonic() - t_up < 10
+    assert time.monotonic() - t_up < ceiling(10)
     wait_for(
         lambda: cluster.obj(DEP, namespace, "auto")["spec"]["replicas"] == 3, 5, message="Deployment at 3"
     )
@@ -85,7 +83,7 @@ def test_replicas_follow_occupancy_within_windows_and_bounds(
     wait_for(lambda: _replicas(cluster, namespace, "auto") < 3, 20, interval=0.05, message="scaled down")
     waited = time.monotonic() - t_down
     assert waited >= 3.0, f"scaled down after {waited:.1f}s, inside the 6 s stabilization window"
-    assert waited < 15
+    assert waited < ceiling(15)
     wait_for(lambda: _replicas(cluster, namespace, "auto") == 1, 10, message="back to minReplicas")
     wait_for(observed(0.05), message="occupancy 0.05 in status")
     time.sleep(1.5)

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from kmock_harness import Fault, KMockCluster, wait_for
 from operator_harness import condition, issue_example
 
 from vsurge_operator import kube
-
-pytestmark = pytest.mark.timeout(90)
 
 IM = "vsurge.io/v1alpha1/inferencemodels"
 DEP = "apps/v1/deployments"

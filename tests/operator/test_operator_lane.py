@@ -206,11 +206,11 @@ def test_the_operator_records_a_group_failure_as_the_pod_reports_it(
     # the operator's pod watch starts beside its model handlers, a moment after the LeaderWorkerSet shows
     # (seconds on a loaded machine): a pod that came and went before it was never there for it, so the
     # group fails again until one is seen
-    for _ in range(15):
+    for _ in range(60):  # 2 s a try, two minutes in all: a loaded machine starts the watch late
         api.create(kube.POD, namespace, pod)
         api.delete(kube.POD, namespace, "m-0")  # the group is recreated at once
         try:
-            recorded = wait_for(failure, 2, message="status")
+            recorded = wait_for(failure, 2, message="status", exact=True)
             break
         except AssertionError:
             continue

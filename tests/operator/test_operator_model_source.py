@@ -17,8 +17,6 @@ from operator_harness import condition
 
 from vsurge_operator import kube, manifests
 
-pytestmark = pytest.mark.timeout(180)
-
 IM = "vsurge.io/v1alpha1/inferencemodels"
 
 

@@ -12,12 +12,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
 from kmock_harness import wait_for
 
 from vsurge_operator import kube
-
-pytestmark = pytest.mark.timeout(120)
 
 HELM_TESTS = Path(__file__).resolve().parent.parent / "helm"
 IM = "vsurge.io/v1alpha1/inferencemodels"

@@ -328,7 +328,7 @@ class RunningRouter:
         return self.server.url
 
     def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=5).text
+        return httpx.get(f"{self.url}/metrics", timeout=30).text
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

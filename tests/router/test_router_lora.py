@@ -175,7 +175,7 @@ def _start(start_router, tmp_path, models: list[dict[str, Any]], **config: Any):
 def _adapter_polls(router, at_least: int) -> None:
     # The poller has no counter of its own: wait until /v1/models shows what the pods listed.
     def listed() -> bool:
-        ids = {m["id"] for m in httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"]}
+        ids = {m["id"] for m in httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"]}
         return len(ids) >= at_least
 
     wait_for(listed, what=f"{at_least} models and adapters listed")
@@ -266,12 +266,12 @@ def test_router_models_lists_adapters_with_their_parent(upstreams, start_router,
     pod = upstreams("pod", adapters=["runtime-one"], lora_info=([], [], 8))
     router = _start(start_router, tmp_path, [{"name": "alpha", "upstreams": [pod.url], "adapters": ["sql"]}])
     _adapter_polls(router, 3)
-    cards = {m["id"]: m for m in httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"]}
+    cards = {m["id"]: m for m in httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"]}
     assert "parent" not in cards["alpha"]
     # From the file, and one only the pod lists (loaded at run time): both routable, both with the parent.
     assert cards["sql"]["parent"] == "alpha" and cards["runtime-one"]["parent"] == "alpha"
     assert cards["sql"]["ready"] is True
-    one = httpx.get(f"{router.url}/v1/models/runtime-one", timeout=5).json()
+    one = httpx.get(f"{router.url}/v1/models/runtime-one", timeout=30).json()
     assert (one["id"], one["parent"]) == ("runtime-one", "alpha")
     r = httpx.post(f"{router.url}/v1/chat/completions", json=_chat("runtime-one"), timeout=10)
     assert _served_by(r) == "pod" and pod.requests[-1]["body"]["model"] == "runtime-one"
@@ -279,7 +279,7 @@ def test_router_models_lists_adapters_with_their_parent(upstreams, start_router,
     pod.adapters = []
     wait_for(
         lambda: (
-            httpx.post(f"{router.url}/v1/chat/completions", json=_chat("runtime-one"), timeout=5).status_code
+            httpx.post(f"{router.url}/v1/chat/completions", json=_chat("runtime-one"), timeout=30).status_code
             == 404
         ),
         what="runtime-one gone",
@@ -320,7 +320,7 @@ def test_inference_model_adapters_are_routed_through_the_watch(cluster, upstream
 
     def ids() -> dict[str, str | None]:
         return {
-            m["id"]: m.get("parent") for m in httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"]
+            m["id"]: m.get("parent") for m in httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"]
         }
 
     wait_for(lambda: ids() == {"llama-chat": None, "sql": "llama-chat"}, what="sql listed from the list")

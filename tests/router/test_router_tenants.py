@@ -320,7 +320,7 @@ def test_only_an_authenticated_tenant_can_wake_a_model(cluster, tmp_path, start_
         api_keys_file=str(keys),
         wake_timeout_seconds=0.5,
     )
-    wait_for(lambda: httpx.get(f"{router.url}/readiness", timeout=5).status_code == 200, what="router ready")
+    wait_for(lambda: httpx.get(f"{router.url}/readiness", timeout=30).status_code == 200, what="router ready")
     for headers in ({}, _auth("sk-not-a-tenant-key-000")):
         r = httpx.post(f"{router.url}/v1/chat/completions", json=_chat("sleepy"), headers=headers, timeout=10)
         assert r.status_code == 401

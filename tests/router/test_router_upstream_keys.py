@@ -110,7 +110,7 @@ def test_the_endpoint_picker_wakes_a_model_at_zero(cluster, start_router) -> Non
     api.create(kube.INFERENCE_MODEL, "models", inference_model("sleepy", replicas=0))
     port = free_port()
     router = start_router(api_client=cluster.api_client(), kubernetes=True, ext_proc_port=port)
-    wait_for(lambda: httpx.get(f"{router.url}/readiness", timeout=5).status_code == 200, what="router ready")
+    wait_for(lambda: httpx.get(f"{router.url}/readiness", timeout=30).status_code == 200, what="router ready")
     proxy = Proxy(port)
     try:
         for _ in range(3):

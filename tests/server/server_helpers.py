@@ -7,6 +7,8 @@ import ipaddress
 import os
 import time
 
+from patience import ceiling, note_slow
+
 MODEL = "tiny"
 # Small shapes: compile in seconds on two CPU cores, still room for 150-token generations.
 MAX_LENGTH = 192
@@ -71,13 +73,15 @@ def serve_surge(surge, timeout: float = 600):
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05):
-    """Poll until predicate() is truthy; returns its value or fails with the last one."""
-    deadline = time.monotonic() + timeout
+    """Poll until predicate() is truthy; returns its value or fails with the last one. ``timeout`` is what
+    an idle machine needs; the wait gives up at patience.ceiling(timeout)."""
+    start = time.monotonic()
     value = predicate()
-    while not value and time.monotonic() < deadline:
+    while not value and time.monotonic() < start + ceiling(timeout):
         time.sleep(interval)
         value = predicate()
-    assert value, f"condition not met within {timeout}s"
+    assert value, f"condition not met within {ceiling(timeout):g}s"
+    note_slow(time.monotonic() - start, timeout, getattr(predicate, "__name__", ""))
     return value
 
 

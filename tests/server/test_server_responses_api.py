@@ -13,6 +13,7 @@ import time
 import jsonschema
 import openai
 import pytest
+from patience import ceiling
 
 from vsurge.server.responses_api import items_to_messages, normalize_input, parse_responses
 from vsurge.server.responses_store import ResponseStore, StoredResponse
@@ -173,7 +174,7 @@ def test_cancel_a_running_response(server, http):
     t.start()
     store = server.api.responses_store
     running = None
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + ceiling(20)
     while running is None and time.monotonic() < deadline:  # stored as in_progress while it runs
         time.sleep(0.01)
         ids = [k for k, v in list(store._entries.items()) if v.response["status"] == "in_progress"]
@@ -181,7 +182,7 @@ def test_cancel_a_running_response(server, http):
     assert running is not None
     r = http.post(f"/v1/responses/{running}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
-    t.join(30)
+    t.join(ceiling(30))
     assert out["r"]["status"] == "cancelled"
     assert http.get(f"/v1/responses/{running}").json()["status"] == "cancelled"
 
@@ -273,7 +274,7 @@ def test_a_stream_left_mid_way_is_stored_incomplete(server, http):
         entry = store.get(rid)
         return entry is not None and entry.cancel is None and entry.response["status"] != "in_progress"
 
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + ceiling(20)
     while not ended() and time.monotonic() < deadline:
         time.sleep(0.02)
     left = store.get(rid).response

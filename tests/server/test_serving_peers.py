@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+from patience import ceiling
 from test_server_benchmarks import load
 
 serving = load("serving")
@@ -91,8 +92,8 @@ def test_a_peer_is_started_awaited_and_stopped(tmp_path):
         str(tmp_path),
     ]
     peer = peers.Peer("web", argv, port, "/")
-    with peers.running(peer, str(tmp_path / "logs"), ready_timeout_s=30) as (proc, ready_s):
-        assert proc.poll() is None and ready_s < 30
+    with peers.running(peer, str(tmp_path / "logs"), ready_timeout_s=ceiling(30)) as (proc, ready_s):
+        assert proc.poll() is None and ready_s < ceiling(30)
     assert proc.poll() is not None  # stopped on leaving the block
     assert os.path.exists(tmp_path / "logs" / "web.log")
 
