@@ -210,6 +210,7 @@ class FaultTimes:
     stream_error: float | None = None  # the in-flight stream ended (503 / error event / reset)
     unready: float | None = None  # /readiness answered 503 (or the leader was gone)
     new_503: float | None = None  # a new request was refused with 503 + Retry-After
+    new_503_code: str | None = None  # that answer's error code
     exits: dict[int, tuple[int | None, float]] = field(default_factory=dict)  # process -> (code, seconds)
 
     def line(self, bound: float) -> str:
@@ -258,6 +259,7 @@ def inject_fault(group: Group, fault: str, victim: int, kill) -> FaultTimes:
                     )
                     if r.status_code == 503 and r.headers.get("Retry-After"):
                         times.new_503 = time.monotonic() - t0
+                        times.new_503_code = r.json().get("error", {}).get("code")
             except httpx.HTTPError:
                 if group.procs[0].poll() is not None:  # the leader is gone: nothing answers
                     times.unready = times.unready if times.unready is not None else now

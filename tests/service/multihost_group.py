@@ -16,8 +16,8 @@ import httpx
 
 SERVE = [sys.executable, "-c", "import sys; from vsurge.cli.main import main; sys.exit(main())", "serve"]
 # 2 shared cores, several engineers' tests beside these: a starved process may not beat for seconds, so
-# the groups run with a generous bound (the default is 10 s; VSURGE_TEST_LANE_TIMEOUT_S sets another, to
-# measure the default's); the fault tests assert and print what they saw against it.
+# the groups run with a generous bound (the default is 10 s: test_multihost.py's default-bound test runs at
+# it; VSURGE_TEST_LANE_TIMEOUT_S sets another); the fault tests assert and print what they saw against it.
 TEST_LANE_TIMEOUT_S = float(os.environ.get("VSURGE_TEST_LANE_TIMEOUT_S", "30"))
 
 

@@ -4,20 +4,32 @@ its engine calls over the authenticated step lane (vsurge/multihost).
 
 Fast tests: where the group comes from (options, LeaderWorkerSet variables), a worker without a leader, a
 group without a lane secret. The serving matrix (processes x devices x mesh x driver) compiles a whole
-engine per group: slow. Faults and forged peers: test_multihost_faults.py; features: test_multihost_features.py.
+engine per group: slow; so does the one group at the lane's default bound (10 s; the others run at 30 s).
+Every feature, then faults and forged peers, at the 30 s bound: test_multihost_features.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
 
 import pytest
+from multihost_checks import inject_fault
 from multihost_group import SERVE, TEST_LANE_TIMEOUT_S, Group, base_env, client, held, ports, write_secret
+from patience import ceiling
 
 from vsurge.cli.main import ConfigError, parse_serve_config
-from vsurge.multihost.group import COORDINATOR_PORT, ProcessGroup, lane_timeout, resolve
+from vsurge.multihost.group import (
+    COORDINATOR_PORT,
+    DEFAULT_LANE_TIMEOUT_S,
+    ProcessGroup,
+    lane_timeout,
+    resolve,
+)
+from vsurge.multihost.lane_leader import SILENCE
 
 # ------------------------------------------------------------------------------------ the group
 
@@ -137,6 +149,37 @@ def test_a_start_up_error_on_any_process_ends_the_whole_group(tmp_path, checkpoi
         assert ("ModelSourceError" if broken == 0 else "GroupFailedError") in group.termination[0].read_text()
         assert "no-such-model" in group.termination[0].read_text()
     finally:
+        group.close()
+
+
+@pytest.mark.slow  # compiles a sharded engine in two processes
+@pytest.mark.timeout(1800)
+def test_the_default_lane_bound_ends_a_group_whose_worker_stops(tmp_path, checkpoint):
+    """VSURGE_LANE_TIMEOUT_S unset: the default bound, 10 s (the other group tests run at 30 s on this
+    shared machine). A worker stopped mid-stream (SIGSTOP) is noticed once it has been silent for half the
+    bound, which the leader's log says it measured (5.0 s: the default, not a shorter cause); then the
+    stream ends, readiness and new requests answer 503 (engine_unavailable) and the leader exits 1, each
+    within a generous ceiling above 10 s: a loaded machine is slower, not wrong. (No lower bound in the
+    test's clock: a worker starved before the stop may have sent its last beat seconds earlier.) Measured
+    alone: stream ended 4.46 s, unready 4.56 s, new request 503 4.46 s, leader exit 6.65 s."""
+    model, _ = checkpoint
+    default = {"VSURGE_LANE_TIMEOUT_S": ""}  # as unset: lane_timeout() reads a blank value as the default
+    group = Group(tmp_path, model, 2, 4, "tp=8", "vdriver", env={0: default, 1: default})
+    try:
+        group.wait_ready()
+        times = inject_fault(group, "SIGSTOP worker", 1, lambda p: os.kill(p.pid, signal.SIGSTOP))
+        print(f"\n{times.line(DEFAULT_LANE_TIMEOUT_S)}")
+        assert f"sent nothing for {SILENCE * DEFAULT_LANE_TIMEOUT_S:.1f}s" in group.log(0), group.log(0)
+        latest = ceiling(DEFAULT_LANE_TIMEOUT_S)
+        seen = {"stream ended": times.stream_error, "unready": times.unready, "new 503": times.new_503}
+        for what, at in seen.items():
+            assert at is not None and 0 < at <= latest, (what, times)
+        assert times.new_503_code == "engine_unavailable", times
+        code, at = times.exits[0]
+        assert code == 1 and at <= latest, (times, group.log(0))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(group.procs[1].pid, signal.SIGCONT)
         group.close()
 
 

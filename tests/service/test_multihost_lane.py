@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from multihost_group import free_port
+from patience import ceiling
 
 from vsurge.contracts.request import EngineUnavailableError
 from vsurge.contracts.sampling_params import SamplingParams
@@ -418,3 +419,39 @@ def test_a_frame_replayed_into_a_live_lane_is_caught_and_nothing_runs(tiny):
     assert pair.worker.calls == calls  # the replayed call never ran
     assert "worker 1 (test-worker) closed the step lane" in pair.lane.failure
     pair.lane.close()
+
+
+def test_a_failed_group_answers_503_engine_unavailable(tiny):
+    """What docs/architecture.md promises once a group fails: a real server over the leader's vSurge (the
+    worker replaying every call) answers, then its worker goes silent; the lane fails, readiness answers
+    503, and a new request gets 503 with Retry-After and error code ``engine_unavailable``, naming why."""
+    import httpx
+
+    from vsurge.contracts.engine_config import EngineConfig
+    from vsurge.multihost.lockstep_surge import leader_surge
+    from vsurge.server import start, vSurgeApiServer
+
+    model, tok, _ = tiny
+    pair = Pair(model, tok)
+    pair.start_worker()
+    pair.lane.wait_workers("loaded", 60, "load")
+    config = EngineConfig(max_concurrent_decodes=2, max_length=64, prefill_lengths=(32,))
+    surge = leader_surge(model, tok, config, pair.lane, name="tiny")
+    api = vSurgeApiServer({"tiny": surge})
+    running = start(api, host="127.0.0.1", port=0, metrics_port=-1, warm_up=True, progress=None)
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+    try:
+        running.wait_ready(600)
+        assert httpx.post(f"{running.url}/v1/completions", json=body, timeout=120).status_code == 200
+
+        pair.worker._ended.set()  # its beats and its reader stop, as under SIGSTOP
+        assert pair.lane.wait_failed(ceiling(pair.lane.timeout)), "the lane did not notice a silent worker"
+        assert httpx.get(f"{running.url}/readiness", timeout=30).status_code == 503
+        r = httpx.post(f"{running.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0, r.text
+        error = r.json()["error"]
+        assert error["code"] == "engine_unavailable" and error["type"] == "server_error", error
+        assert "worker 1 (test-worker) sent nothing" in error["message"], error
+    finally:
+        running.stop()
+        pair.lane.close()
