@@ -29,7 +29,7 @@ import numpy as np
 
 
 def build_surge(model, tok, args, driver: str = "vdriver"):
-    from vsurge.surge import vSurge
+    from vsurge import vSurge
 
     kw = dict(
         max_concurrent_decodes=args.slots,
@@ -52,7 +52,7 @@ def run_requests(surge, prompts, outputs, max_in_flight: int) -> tuple[float, in
     max_in_flight at once; returns (seconds, generated tokens, ttfts)."""
     import asyncio
 
-    from vsurge.contracts.request import vSurgeRequest
+    from vsurge.seed.request import vSurgeRequest
 
     counts = [0] * len(prompts)
     ttft = [0.0] * len(prompts)

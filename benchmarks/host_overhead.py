@@ -231,7 +231,7 @@ def device_step(engine: Any, slots: int, steps: int = 20) -> tuple[float, float]
 
 def serve_run(surge: Any, tok: Any, slots: int, tokens: int) -> dict[str, float]:
     """Every slot streams `tokens` tokens through vSurge.complete; chunks framed as the server does."""
-    from vsurge.contracts.request import vSurgeRequest
+    from vsurge.seed.request import vSurgeRequest
     from vsurge.server.shaping import ChunkWriter, TokenDecoder
 
     decode = TokenDecoder(tok)
@@ -271,7 +271,7 @@ def serve_run(surge: Any, tok: Any, slots: int, tokens: int) -> dict[str, float]
 
 
 def e2e(slots: int, tokens: int, tok: Any, figures: dict[str, float]) -> dict[str, Any]:
-    from vsurge.surge import vSurge
+    from vsurge import vSurge
 
     model = tiny_random_model(len(tok))
     surge = vSurge.create_vdriver(

@@ -45,7 +45,7 @@ def load(src: str):
 
 
 def build(model, tok, driver: str, **kw):
-    from vsurge.surge import vSurge
+    from vsurge import vSurge
 
     t = time.perf_counter()
     s = (
@@ -60,7 +60,7 @@ def build(model, tok, driver: str, **kw):
 
 
 def request(prompt, max_tokens):
-    from vsurge.contracts.request import vSurgeRequest
+    from vsurge.seed.request import vSurgeRequest
 
     return vSurgeRequest(
         prompt=[int(x) for x in prompt],

@@ -65,7 +65,7 @@ def streams(surge: Any, requests: list[Any]) -> tuple[float, int, list[list[tupl
 
 
 def request(ids: list[int], tokens: int = TOKENS, **kw: Any) -> Any:
-    from vsurge.contracts.request import vSurgeRequest
+    from vsurge.seed.request import vSurgeRequest
 
     kw.setdefault("ignore_eos", True)
     return vSurgeRequest(
@@ -115,7 +115,7 @@ class Guard:
 
 
 def build(model: Any, tok: Any, **kw: Any) -> Any:
-    from vsurge.surge import vSurge
+    from vsurge import vSurge
 
     t = time.perf_counter()
     surge = vSurge.create(model, tok, **kw)

@@ -145,7 +145,7 @@ async def http_run(
 
 def build_surge(args: argparse.Namespace) -> Any:
     import vsurge
-    from vsurge.surge import vSurge
+    from vsurge import vSurge
 
     t = time.perf_counter()
     model, processor = vsurge.load_model(args.model, dtype=args.dtype)
@@ -168,8 +168,8 @@ def build_surge(args: argparse.Namespace) -> Any:
 def inprocess_caller(surge: Any, args: argparse.Namespace) -> Any:
     """`one(job) -> RequestResult` through `vSurge.complete`, timed as the HTTP client times a stream (the
     chat endpoint's prompt through the model's chat template, as the server would apply it)."""
-    from vsurge.contracts.request import vSurgeRequest
     from vsurge.contracts.sampling_params import SamplingParams
+    from vsurge.seed.request import vSurgeRequest
 
     def params(job: Job) -> SamplingParams:
         return SamplingParams(

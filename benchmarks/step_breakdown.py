@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import vsurge
-    from vsurge.surge import vSurge
+    from vsurge import vSurge
 
     preset = serving.PRESETS[args.preset]
     model, processor = vsurge.load_model(args.model)

@@ -16,9 +16,9 @@ import time
 import numpy as np
 
 import vsurge
+from vsurge import vSurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.structured import GrammarCompiler, GrammarSpec
-from vsurge.surge import vSurge
 
 SCHEMA = {
     "type": "object",

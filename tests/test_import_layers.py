@@ -104,3 +104,16 @@ def test_architecture_md_lists_the_layers_and_their_rule():
 def test_the_doc_check_can_fail():
     doc = "x\n## Layers\n\n1. **contracts** - a\n2. **models** - b\n\n## Next\n3. **cli** - c\n"
     assert documented_layers(doc) == ["contracts", "models"]  # one layer missing: differs from LAYERS
+
+
+def test_the_core_does_not_import_the_seed():
+    # the seed's API is an edge: only the facade (and scripts over everything) reach into vsurge.seed
+    graph = import_graph()
+    above = {"seed", "facade", "benchmarks"}
+    assert [
+        (m, t)
+        for m, ts in sorted(graph.items())
+        for t in sorted(ts)
+        if layer_of(t) == "seed" and layer_of(m) not in above
+    ] == []
+    assert layer_of("vsurge.seed.surge") == "seed" and layer_of("vsurge.seed_args") != "seed"

@@ -12,8 +12,8 @@ from vsurge.version import __version__
 
 _LAZY = {
     "load_model": "vsurge.models.loader",
-    "vSurge": "vsurge.surge",
-    "vSurgeRequest": "vsurge.contracts.request",
+    "vSurge": "vsurge.seed.surge",
+    "vSurgeRequest": "vsurge.seed.request",
     "vSurgeMetadata": "vsurge.contracts.request",
     "ReturnSample": "vsurge.contracts.request",
     "SamplingParams": "vsurge.contracts.sampling_params",
@@ -31,8 +31,8 @@ _LAZY = {
     "NextIterationPlan": "vsurge.engines.seed_types",
     "ModelOutputBatch": "vsurge.engines.seed_types",
     "ActiveSequenceBatch": "vsurge.engines.seed_paged",
-    "AbstractDriver": "vsurge.protocols",
-    "AbstractInferenceEngine": "vsurge.protocols",
+    "AbstractDriver": "vsurge.seed.protocols",
+    "AbstractInferenceEngine": "vsurge.seed.protocols",
     "vSurgeApiServer": "vsurge.server.app",
     "ChatCompletionRequest": "vsurge.server.schemas",
     "CompletionRequest": "vsurge.server.schemas",

@@ -12,8 +12,10 @@ order, and docs/architecture.md's list of layers against these names.
 6. surge      - vSurge: the engine a server talks to (`surge.py`).
 7. server, multihost - the HTTP server; a multi-host slice's lockstep lane (both over surge).
 8. cli        - `vsurge serve | route | bench` and --print-config (`cli/`).
-9. facade     - the `vsurge` package itself: its lazy names reach every layer.
-10. benchmarks - scripts over everything.
+9. seed       - the seed's API as an edge over the core (`seed/`): vSurge, vSurgeRequest and the seed's
+                constructors; nothing below imports it.
+10. facade    - the `vsurge` package itself: its lazy names reach every layer.
+11. benchmarks - scripts over everything.
 
 Two packages stand beside the stack (``SEPARATE``): the router (`vsurge route`) and the operator. Each
 imports only the contracts layer (the control plane installs without jax), and only the layers named may
@@ -34,8 +36,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "vsurge.version",
             "vsurge.layers",
             "vsurge.seed_args",
-            "vsurge.responses",
-            "vsurge.protocols",
         ),
     ),
     ("structured", ("vsurge.structured",)),
@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("surge", ("vsurge.surge",)),
     ("server/multihost", ("vsurge.server", "vsurge.multihost")),
     ("cli", ("vsurge.cli",)),
+    ("seed", ("vsurge.seed",)),
     ("facade", ("vsurge",)),
     ("benchmarks", ("benchmarks",)),
 )

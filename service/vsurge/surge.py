@@ -1,4 +1,5 @@
-"""vSurge: the async generation API over a driver (the seed's vSurge, vSurgeRequest)."""
+"""Surge: the async generation API over a driver, built from one EngineConfig (the seed's vSurge, with
+the seed's constructors, is seed/surge.py)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,23 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from .contracts.engine_config import DEFAULT_SEED, EngineConfig
+from .contracts.engine_config import EngineConfig
 from .contracts.request import (
+    GenerationRequest,
     PromptTooLongError,
     QueueFullError,
     RequestFailedError,
     ReturnSample,
     vSurgeMetadata,
-    vSurgeRequest,
 )
 from .contracts.sampling_params import SamplingParams
+from .contracts.stream_steps import ends_inside_character, merge_steps
 from .drivers import switch_interval
 from .drivers.active_request import ActiveRequest, ReturnChannel
 from .drivers.detokenize import make_decode_fn
 from .drivers.metrics import DriverMetrics, RequestStats
 from .drivers.vdriver import vDriver
 from .engines.vengine import vEngine
-from .responses import ends_inside_character, merge_steps
-from .seed_args import default, seed_engine_config
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,9 @@ __all__ = [
     "RequestFailedError",
     "RequestStats",
     "ReturnSample",
-    "vSurge",
+    "Surge",
     "vSurgeMetadata",
-    "vSurgeRequest",
+    "GenerationRequest",
 ]
 
 
@@ -52,61 +52,43 @@ def _as_mesh(mesh: Any) -> Any:
     return mesh
 
 
-class vSurge:  # noqa: N801 - the seed's name
-    def __init__(self, driver: vDriver, vsurge_name: str | None = None):
+class Surge:
+    """The async generation API over one driver: what the server runs on (the seed's vSurge,
+    vsurge/seed/surge.py, is this with the seed's constructors)."""
+
+    def __init__(self, driver: vDriver, name: str | None = None):
         self._driver = driver
-        self._name = vsurge_name or driver.driver_name
+        self._name = name or driver.driver_name
         self.compile_seconds: float | None = None
         self._switching = False  # holds a count in drivers/switch_interval.py while started
-        self._decode_fn: Callable[[list[int]], str] | None = None  # should_buffer_response's, made once
+        self._decode_fn: Callable[[list[int]], str] | None = None  # _ends_inside_character's, made once
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def create(
+    def from_config(
         cls,
         model: Any,
         processor: Any,
-        config: EngineConfig | None = None,
+        config: EngineConfig,
         *,
-        vsurge_name: str | None = None,
-        **kw: Any,
-    ) -> vSurge:
-        """The driver ``config.driver`` names (vdriver or odriver), built from ``config`` and ``kw``."""
-        config = EngineConfig.build(config, **kw)
-        create = cls.create_odriver if config.driver == "odriver" else cls.create_vdriver
-        return create(model, processor, config=config, vsurge_name=vsurge_name)
-
-    @classmethod
-    def create_vdriver(
-        cls,
-        model: Any,
-        processor: Any,
-        max_concurrent_decodes: int | None = None,
-        prefill_lengths: Sequence[int] | int | None = None,
-        max_prefill_length: int | None = None,
-        max_length: int | None = None,
-        seed: int = default(DEFAULT_SEED),
-        vsurge_name: str | None = None,
-        *,
-        config: EngineConfig | None = None,
-        **kw: Any,
-    ) -> vSurge:
-        """One vEngine doing both prefill and decode, driven by a vDriver.
-
-        The seed's arguments in the seed's order, over ``config`` (an EngineConfig; default: every
-        default), then any other EngineConfig knob by keyword, e.g. ``create_vdriver(model, tok, 32,
-        max_length=1024)``; an argument left at its default keeps the config's value. The knobs, their
-        defaults and their checks are EngineConfig's (``max_concurrent_prefill``: how many waiting prompts
-        one prefill call packs together)."""
-        seed_values = dict(
-            max_concurrent_decodes=max_concurrent_decodes,
-            prefill_lengths=prefill_lengths,
-            max_prefill_length=max_prefill_length,
-            max_length=max_length,
-            seed=seed,
-        )
-        config = seed_engine_config(config, "vdriver", seed_values, kw, third=max_concurrent_decodes)
+        name: str | None = None,
+        storage: Any = None,
+        manager: Any = None,
+    ) -> Surge:
+        """The engine and driver ``config.driver`` names (vdriver: one vEngine doing both prefill and
+        decode, driven by a vDriver; odriver: one paged oEngine driven by an oDriver), built from
+        ``config``. ``storage`` / ``manager`` (odriver): a PagedAttentionCache / HBMPageManager to use
+        instead of new ones."""
         config = config.replace(mesh=_as_mesh(config.mesh))
+        if config.driver == "odriver":
+            from .drivers.odriver import oDriver
+            from .engines.oengine import oEngine
+
+            engine = oEngine(model, processor, storage, manager, config=config)
+            driver = oDriver(
+                engine, detokenizing_blocks=config.detokenizing_blocks, max_queue_size=config.max_queue_size
+            )
+            return cls(driver, name)
         engine = vEngine(model, processor, config=config)
         driver = vDriver(
             engine,
@@ -115,57 +97,7 @@ class vSurge:  # noqa: N801 - the seed's name
             detokenizing_blocks=config.detokenizing_blocks,
             max_queue_size=config.max_queue_size,
         )
-        return cls(driver, vsurge_name)
-
-    @classmethod
-    def create_odriver(
-        cls,
-        model: Any,
-        processor: Any,
-        storage: Any = None,
-        manager: Any = None,
-        page_size: int = default(128),
-        hbm_utilization: float = default(0.6),
-        max_concurrent_prefill: int | None = None,
-        max_concurrent_decodes: int | None = None,
-        prefill_lengths: Sequence[int] | int | None = None,
-        max_prefill_length: int | None = None,
-        max_length: int | None = None,
-        seed: int = default(DEFAULT_SEED),
-        vsurge_name: str | None = None,
-        *,
-        config: EngineConfig | None = None,
-        **kw: Any,
-    ) -> vSurge:
-        """One paged oEngine driven by an oDriver; the seed's arguments in its order, ``config`` and
-        keywords as in create_vdriver.
-
-        The KV pages take ``hbm_utilization`` of the free device memory JAX reports, or ``kv_cache_bytes``
-        (required to size it exactly; on CPU, where JAX reports none, a small default applies). Prompts
-        longer than the largest prefill bucket are prefilled in chunks. ``storage`` / ``manager``: a
-        PagedAttentionCache / HBMPageManager to use instead of new ones.
-        """
-        from .drivers.odriver import oDriver
-        from .engines.oengine import oEngine
-
-        seed_values = dict(
-            page_size=page_size,
-            hbm_utilization=hbm_utilization,
-            max_concurrent_prefill=max_concurrent_prefill,
-            max_concurrent_decodes=max_concurrent_decodes,
-            prefill_lengths=prefill_lengths,
-            max_prefill_length=max_prefill_length,
-            max_length=max_length,
-            seed=seed,
-        )
-        config = seed_engine_config(config, "odriver", seed_values, kw, third=storage)
-        config = config.replace(mesh=_as_mesh(config.mesh))
-        storage = None if isinstance(storage, EngineConfig) else storage
-        engine = oEngine(model, processor, storage, manager, config=config)
-        driver = oDriver(
-            engine, detokenizing_blocks=config.detokenizing_blocks, max_queue_size=config.max_queue_size
-        )
-        return cls(driver, vsurge_name)
+        return cls(driver, name)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -173,7 +105,8 @@ class vSurge:  # noqa: N801 - the seed's name
         return self._driver
 
     @property
-    def vsurge_name(self) -> str:
+    def name(self) -> str:
+        """The served model's name (the driver's when none was given)."""
         return self._name
 
     @property
@@ -295,7 +228,9 @@ class vSurge:  # noqa: N801 - the seed's name
         raise ValueError("count_tokens takes a string or a list of {'role', 'content'} messages")
 
     # ------------------------------------------------------------------ generation
-    def _make_active(self, request: vSurgeRequest, loop: asyncio.AbstractEventLoop | None) -> ActiveRequest:
+    def _make_active(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None
+    ) -> ActiveRequest:
         params = request.sampling_params()
         params.validate()
         if isinstance(request.prompt, str):
@@ -338,13 +273,12 @@ class vSurge:  # noqa: N801 - the seed's name
             adapter=request.adapter,
         )
 
-    async def complete(self, request: vSurgeRequest) -> AsyncIterator[list[ReturnSample]]:
+    async def complete(self, request: GenerationRequest) -> AsyncIterator[list[ReturnSample]]:
         """Stream one request: each item holds the new text/tokens of the samples that advanced.
 
-        As the seed's: with ``request.is_client_side_tokenization`` the steps pass through unchanged
-        (`process_client_side_tokenization_response`); otherwise a step that ends inside a multi-byte
-        character is buffered (`should_buffer_response`) and merged with the steps after it
-        (`process_server_side_tokenization_response`), so each item's token ids produce its text.
+        As the seed's: with ``request.is_client_side_tokenization`` the steps pass through unchanged;
+        otherwise a step that ends inside a multi-byte character is buffered and merged with the steps
+        after it (contracts/stream_steps.py), so each item's token ids produce its text.
 
         Raises before anything is queued on invalid parameters (ValueError) or a prompt that does not fit
         (PromptTooLongError); QueueFullError when the queue is full; RequestFailedError if the request
@@ -362,24 +296,19 @@ class vSurge:  # noqa: N801 - the seed's name
         try:
             async for step in active.channel:
                 if client_side:
-                    yield self.process_client_side_tokenization_response(step)
-                elif self.should_buffer_response(step):
+                    yield list(step)
+                elif self._ends_inside_character(step):
                     buffered.append(step)
                 else:
-                    yield self.process_server_side_tokenization_response(step, buffered)
+                    yield merge_steps(step, buffered)
                     buffered = []
             if buffered:  # the stream ended (cancelled, failed) inside a character: what there is
-                yield self.process_server_side_tokenization_response([], buffered)
+                yield merge_steps([], buffered)
         finally:
             if not active.done:
                 active.cancel()
 
-    # ------------------------------------------------------------------ the seed's response helpers
-    def process_client_side_tokenization_response(self, response: list[ReturnSample]) -> list[ReturnSample]:
-        """A step of a client-side-tokenization request, as it is (a new list of the same samples)."""
-        return list(response)
-
-    def should_buffer_response(self, response: list[ReturnSample]) -> bool:
+    def _ends_inside_character(self, response: list[ReturnSample]) -> bool:
         """True if a running sample of this step ends inside a multi-byte character (a ``<0xAB>`` byte
         token, or token ids whose text ends in U+FFFD): its text comes with a later step."""
         tok = self.processor
@@ -390,14 +319,7 @@ class vSurge:  # noqa: N801 - the seed's name
         convert = getattr(tok, "convert_ids_to_tokens", None)
         return ends_inside_character(response, self._decode_fn, convert)
 
-    def process_server_side_tokenization_response(
-        self, response: list[ReturnSample], buffered_response_list: list[list[ReturnSample]]
-    ) -> list[ReturnSample]:
-        """The buffered steps and this one as one ReturnSample per sample: text, token ids and logprobs
-        joined, the totals (tokens per second, generated tokens) and the finish reason of the latest."""
-        return merge_steps(response, buffered_response_list)
-
-    def submit(self, request: vSurgeRequest) -> ActiveRequest:
+    def submit(self, request: GenerationRequest) -> ActiveRequest:
         """Blocking-world entry point (benchmarks, threads): iterate `.channel` for results."""
         active = self._make_active(request, None)
         self._driver.submit_request(active)
@@ -427,19 +349,19 @@ class vSurge:  # noqa: N801 - the seed's name
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling_params")
-        requests = [vSurgeRequest.from_sampling_params(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        requests = [GenerationRequest(p, sp) for p, sp in zip(prompts, params, strict=True)]
         if stream:
             return self._stream_many(requests)
         results = await asyncio.gather(*(self._collect(r) for r in requests))
         return [sample for samples in results for sample in samples]
 
-    async def _collect(self, request: vSurgeRequest) -> list[ReturnSample]:
+    async def _collect(self, request: GenerationRequest) -> list[ReturnSample]:
         """Every step of one request merged: one ReturnSample per sample, in index order."""
         steps = [step async for step in self.complete(request)]
         merged = merge_steps([], steps)
         return sorted(merged, key=lambda s: s.index)
 
-    async def _stream_many(self, requests: list[vSurgeRequest]) -> AsyncIterator[list[ReturnSample]]:
+    async def _stream_many(self, requests: list[GenerationRequest]) -> AsyncIterator[list[ReturnSample]]:
         queue: asyncio.Queue = asyncio.Queue()
         gens = [self.complete(r) for r in requests]
 

@@ -21,7 +21,7 @@ MAX_QUEUE = 8
 def make_surge(model_dir: str, **kw):
     """The suite's vDriver vSurge over ``model_dir`` (its shapes), with engine options ``kw`` on top."""
     import vsurge
-    from vsurge.surge import vSurge
+    from vsurge import vSurge
 
     model, processor = vsurge.load_model(model_dir)
     return vSurge.create_vdriver(
@@ -40,7 +40,7 @@ def make_odriver_surge(model_dir: str, **kw):
     """The suite's lengths on the paged driver, with few programs to compile: 4 slots (one row bucket),
     pages of 16 tokens, 64 tokens a step."""
     import vsurge
-    from vsurge.surge import vSurge
+    from vsurge import vSurge
 
     model, processor = vsurge.load_model(model_dir)
     return vSurge.create_odriver(

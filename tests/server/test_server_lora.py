@@ -11,8 +11,8 @@ from server_helpers import MODEL
 from tiny_models import make_checkpoint
 
 import vsurge
+from vsurge import vSurge
 from vsurge.cli.serve_options import ConfigError, parse_serve_config
-from vsurge.surge import vSurge
 
 KEY = "admin-key"
 

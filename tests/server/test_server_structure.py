@@ -7,8 +7,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
+from vsurge import vSurge
 from vsurge.server.served_model import ServedEngine
-from vsurge.surge import vSurge
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: the tree's import graph
 from import_graph import find_cycle, import_graph  # noqa: E402 - the whole tree's walk: tests/test_import_layers.py

@@ -59,8 +59,8 @@ def default_client():
     import openai
 
     import vsurge
+    from vsurge import vSurge
     from vsurge.server import start, vSurgeApiServer
-    from vsurge.surge import vSurge
 
     model, tok = vsurge.load_model("default")
     surge = vSurge.create_vdriver(

@@ -99,8 +99,8 @@ def test_load_follows_a_burst_and_returns_to_idle(server, http):
 @pytest.mark.slow  # compiles the paged engine's programs (~45 s cold on 2 cores)
 def test_load_on_the_paged_engine_reports_kv_pages(tiny_dir):
     import vsurge
+    from vsurge import vSurge
     from vsurge.server import start, vSurgeApiServer
-    from vsurge.surge import vSurge
 
     model, processor = vsurge.load_model(tiny_dir)
     surge = vSurge.create_odriver(

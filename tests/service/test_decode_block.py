@@ -8,15 +8,15 @@ import pytest
 from jit_watch import compilations
 
 import vsurge
+from vsurge import vSurge
 from vsurge.contracts.engine_config import EngineConfig
-from vsurge.contracts.request import vSurgeRequest
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.drivers.lanes import FirstToken, PrefilledPack
 from vsurge.drivers.pipeline import drain
 from vsurge.drivers.transfer import transfer_group
 from vsurge.models import greedy_generate
-from vsurge.surge import vSurge
+from vsurge.seed.request import vSurgeRequest
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ import time
 import numpy as np
 import pytest
 
-from vsurge.contracts.request import vSurgeRequest
+from vsurge import vSurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.dense_mixed import Chunk, plan_chunks, step_shapes
 from vsurge.models import greedy_generate
-from vsurge.surge import vSurge
+from vsurge.seed.request import vSurgeRequest
 
 MAX_LEN = 128
 BUCKETS = [16, 64]

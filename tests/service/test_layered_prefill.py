@@ -127,8 +127,8 @@ def test_a_serving_vsurge_hands_the_gil_over_sooner(tiny):
     one to stop restores the interval it found."""
     import sys
 
+    from vsurge import vSurge
     from vsurge.drivers.switch_interval import SERVING_SWITCH_S
-    from vsurge.surge import vSurge
 
     model, tok = tiny
     before = sys.getswitchinterval()

@@ -26,11 +26,11 @@ from lora_adapters import (
 )
 
 import vsurge
+from vsurge import vSurge
 from vsurge.drivers.lora_adapters import UnknownAdapterError
 from vsurge.models import logits
 from vsurge.models.lora import lora_delta
 from vsurge.models.peft_adapter import AdapterError, read_adapter
-from vsurge.surge import vSurge
 
 REL = 1e-4  # test_model_parity's bound on max |ours - transformers| / max |transformers|
 

@@ -18,7 +18,7 @@ from jit_watch import compilations
 from lora_adapters import ADAPTERS, NAMES, PROMPTS, TOKENS, adapter_setup, bank_config, reference, run_all
 
 import vsurge
-from vsurge.surge import vSurge
+from vsurge import vSurge
 
 # name -> (driver, engine settings)
 VARIANTS = {

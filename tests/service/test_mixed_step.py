@@ -214,8 +214,8 @@ def test_mixed_step_greedy_equals_single_request_generation(engine, prompts, exp
 @pytest.fixture(scope="module")
 def surge(engine):
     """oDriver over the module's engine (its programs are compiled once); after the engine-level tests."""
+    from vsurge import vSurge
     from vsurge.drivers.odriver import oDriver
-    from vsurge.surge import vSurge
 
     s = vSurge(oDriver(engine))
     s.start()
@@ -251,7 +251,7 @@ def steps(surge, monkeypatch):
 
 
 def _request(ids, max_tokens: int):
-    from vsurge.contracts.request import vSurgeRequest
+    from vsurge.seed.request import vSurgeRequest
 
     return vSurgeRequest(
         prompt=[int(t) for t in ids],

@@ -49,7 +49,7 @@ def setup(tiny_checkpoint, tmp_path_factory):
 def _single_process(setup, cases) -> list[list[int]]:
     """Greedy tokens of one process's vdriver (one device) serving every adapter of ADAPTERS."""
     import vsurge
-    from vsurge.surge import vSurge
+    from vsurge import vSurge
 
     path, _, adapters = setup
     model, tok = vsurge.load_model(path)

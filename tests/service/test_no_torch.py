@@ -13,7 +13,7 @@ def test_hf_directory_load_and_generate_do_not_import_torch(tiny_checkpoint):
         import asyncio, sys
         import vsurge
         from vsurge.contracts.sampling_params import SamplingParams
-        from vsurge.surge import vSurge
+        from vsurge import vSurge
         model, tok = vsurge.load_model({path!r})
         s = vSurge.create_vdriver(model, tok, max_concurrent_decodes=1, prefill_lengths=[16], max_length=32)
         s.compile(); s.start()

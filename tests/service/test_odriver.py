@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 import vsurge
-from vsurge.contracts.request import PromptTooLongError, RequestFailedError, vSurgeRequest
+from vsurge import vSurge
+from vsurge.contracts.request import PromptTooLongError, RequestFailedError
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.engines.paging import bytes_per_page
 from vsurge.models import greedy_generate
-from vsurge.surge import vSurge
+from vsurge.seed.request import vSurgeRequest
 
 MAX_LEN = 128
 BUCKETS = [16, 32]  # prompts past 32 tokens are prefilled in chunks

@@ -19,9 +19,9 @@ import pytest
 from test_odriver import SMALL, ids_request, reference, tokens_of
 
 import vsurge
+from vsurge import vSurge
 from vsurge.engines.paging import bytes_per_page
 from vsurge.structured import GrammarCompiler, GrammarSpec
-from vsurge.surge import vSurge
 
 REGEX = r"[0-9]{3}-[a-z]{2,5}( ok)?"
 

@@ -19,7 +19,7 @@ import pytest
 from paged_greedy import greedy_steps, greedy_tokens, sharp_checkpoint
 
 import vsurge
-from vsurge.contracts.request import vSurgeRequest
+from vsurge import vSurge
 from vsurge.engines.kernel_fallback import check_kernel
 from vsurge.engines.oengine import oEngine
 from vsurge.engines.paging import PagedAttentionCache, bytes_per_page
@@ -28,7 +28,7 @@ from vsurge.models import pallas_sharded as ps
 from vsurge.models.kv_layout import fit_kv, kv_layout
 from vsurge.models.paged_attention import PagedDecodeAttention, PagedPrefillAttention, PagedRaggedAttention
 from vsurge.models.sharding import make_mesh
-from vsurge.surge import vSurge
+from vsurge.seed.request import vSurgeRequest
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 

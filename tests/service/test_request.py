@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
-from vsurge.contracts.request import SEED_SAMPLING_DEFAULTS, vSurgeMetadata, vSurgeRequest
+from vsurge.contracts.request import vSurgeMetadata
 from vsurge.contracts.sampling_params import SamplingParams
+from vsurge.seed.request import SEED_SAMPLING_DEFAULTS, vSurgeRequest
 
 
 def test_seed_positional_order_and_defaults():

@@ -16,11 +16,11 @@ import time
 import numpy as np
 import pytest
 
-from vsurge.contracts.request import vSurgeRequest
+from vsurge import vSurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.slot_moves import plan_moves
 from vsurge.models import greedy_generate
-from vsurge.surge import vSurge
+from vsurge.seed.request import vSurgeRequest
 
 MAX_LEN = 160
 BUCKETS = [16, 64]

@@ -10,9 +10,9 @@ import time
 import pytest
 
 import vsurge
-from vsurge.contracts.request import vSurgeRequest
+from vsurge import vSurge
 from vsurge.contracts.token_budget import TokenBudget
-from vsurge.surge import vSurge
+from vsurge.seed.request import vSurgeRequest
 
 MAX_LEN = 48
 BUCKETS = [16, 32]

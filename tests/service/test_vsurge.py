@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import vsurge
-from vsurge.contracts.request import PromptTooLongError, QueueFullError, RequestFailedError, vSurgeRequest
+from vsurge import vSurge
+from vsurge.contracts.request import PromptTooLongError, QueueFullError, RequestFailedError
 from vsurge.contracts.sampling_params import InvalidSamplingParams, SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.models import greedy_generate
-from vsurge.surge import vSurge
+from vsurge.seed.request import vSurgeRequest
 
 MAX_LEN = 128
 BUCKETS = [16, 64]

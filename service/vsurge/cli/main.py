@@ -40,10 +40,10 @@ from vsurge.router import cli as router_cli
 
 
 def build_surge(cfg: ServeConfig, model: Any, processor: Any, mesh: Any = None) -> Any:
-    """The vSurge for `cfg.driver` with the engine options of `cfg` (the mesh given, as the model's)."""
-    from vsurge.surge import vSurge
+    """The Surge for `cfg.driver` with the engine options of `cfg` (the mesh given, as the model's)."""
+    from vsurge.surge import Surge
 
-    return vSurge.create(model, processor, cfg.engine.replace(mesh=mesh), vsurge_name=cfg.model_name)
+    return Surge.from_config(model, processor, cfg.engine.replace(mesh=mesh), name=cfg.model_name)
 
 
 def size_engine(cfg: ServeConfig, model: Any, mesh: Any, say: Callable[[str], None]) -> None:

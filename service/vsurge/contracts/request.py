@@ -1,4 +1,4 @@
-"""What goes into vSurge (vSurgeRequest) and what comes out (ReturnSample). Plain data, no JAX."""
+"""What goes into vSurge (GenerationRequest) and what comes out (ReturnSample). Plain data, no JAX."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..seed_args import default, given
 from .sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -48,100 +47,29 @@ class vSurgeMetadata:  # noqa: N801 - the seed's name
         return self.created
 
 
-# The seed's vSurgeRequest samples at temperature 0.7 unless told otherwise; SamplingParams (and so the HTTP
-# API) keeps OpenAI's 1.0. Only these differ.
-SEED_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.7}
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-
-
-class vSurgeRequest:  # noqa: N801 - the seed's name
+@dataclass(eq=False)  # a request is one record, tracked by identity
+class GenerationRequest:
     """A completion request: the prompt, how to sample it (`sampling`, a SamplingParams) and metadata.
 
-    The seed's constructor: `vSurgeRequest(prompt, max_tokens, top_p, top_k, min_p, temperature,
-    presence_penalty, frequency_penalty, repetition_penalty, metadata, is_client_side_tokenization)`, with
-    the seed's defaults (`SEED_SAMPLING_DEFAULTS` where they differ from SamplingParams'); every other
-    SamplingParams field is a keyword too (`seed=`, `n=`, `stop=`, `logit_bias=` ...). They build
-    `sampling`; given ``sampling=``, only the arguments passed override it. Sampling fields read and write
-    through as attributes: `request.temperature = 0.2` before `complete()` is what the driver samples with
-    (the request is a record the driver reads at submission, as the seed's is).
-
-    `prompt` is text (tokenized by the server) or token ids. `is_client_side_tokenization` is the seed's
-    response mode: True, the client detokenizes (responses carry the step's token ids, unbuffered, and no
-    text); False, the server does (text, with a step that ends inside a multi-byte character held back
-    until it completes). ``detokenize`` overrides whether text is produced.
+    `prompt` is text (tokenized by vSurge) or token ids. `is_client_side_tokenization`: True, the client
+    detokenizes (responses carry the step's token ids, unbuffered, and no text); False, the server does
+    (text, with a step that ends inside a multi-byte character held back until it completes).
+    ``detokenize`` overrides whether text is produced. The seed's vSurgeRequest (vsurge/seed/request.py)
+    is this with the seed's positional constructor.
     """
 
-    def __init__(
-        self,
-        prompt: str | list[int],
-        max_tokens: int | None = None,
-        top_p: float = default(1.0),
-        top_k: int = default(0),
-        min_p: float = default(0.0),
-        temperature: float = default(SEED_SAMPLING_DEFAULTS["temperature"]),
-        presence_penalty: float = default(0.0),
-        frequency_penalty: float = default(0.0),
-        repetition_penalty: float = default(1.0),
-        metadata: vSurgeMetadata | None = None,
-        is_client_side_tokenization: bool = False,
-        *,
-        sampling: SamplingParams | None = None,
-        detokenize: bool | None = None,
-        strict_max_tokens: bool = False,
-        adapter: str | None = None,
-        **sampling_kw: Any,
-    ) -> None:
-        unknown = set(sampling_kw) - _SAMPLING_FIELDS
-        if unknown:
-            raise TypeError(f"vSurgeRequest got unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-        seed_args = given(
-            dict(
-                max_tokens=max_tokens,
-                top_p=top_p,
-                top_k=top_k,
-                min_p=min_p,
-                temperature=temperature,
-                presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty,
-                repetition_penalty=repetition_penalty,
-            )
-        )
-        changes = {**seed_args, **sampling_kw}
-        if sampling is None:
-            sampling = SamplingParams(**{**SEED_SAMPLING_DEFAULTS, **changes})
-        elif changes:
-            sampling = dataclasses.replace(sampling, **changes)
-        self.prompt = prompt
-        self.sampling = sampling
-        self.metadata = metadata
-        self.is_client_side_tokenization = is_client_side_tokenization
-        self.detokenize = detokenize  # None: detokenize unless is_client_side_tokenization
-        # True: prompt + max_tokens beyond the context is an error (PromptTooLongError), not a silent cut
-        self.strict_max_tokens = strict_max_tokens
-        self.adapter = adapter  # the LoRA adapter to apply (its served name); None: the base model
+    prompt: str | list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    metadata: vSurgeMetadata | None = None
+    is_client_side_tokenization: bool = False
+    detokenize: bool | None = None  # None: detokenize unless is_client_side_tokenization
+    # True: prompt + max_tokens beyond the context is an error (PromptTooLongError), not a silent cut
+    strict_max_tokens: bool = False
+    adapter: str | None = None  # the LoRA adapter to apply (its served name); None: the base model
 
-    def __getattr__(self, name: str) -> Any:
-        # only reached for names not set on the instance: the sampling fields read through
-        if name in _SAMPLING_FIELDS:
-            return getattr(self.__dict__["sampling"], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SAMPLING_FIELDS:
-            # a new SamplingParams, so one shared with other requests (from_sampling_params) is not changed
-            value, name = dataclasses.replace(self.__dict__["sampling"], **{name: value}), "sampling"
-        elif name == "sampling" and not isinstance(value, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(value).__name__}")
-        object.__setattr__(self, name, value)
-
-    def __repr__(self) -> str:
-        return f"vSurgeRequest(prompt={self.prompt!r:.60}, sampling={self.sampling!r})"
-
-    @classmethod
-    def from_sampling_params(
-        cls, prompt: str | list[int], sampling_params: SamplingParams, **kw: Any
-    ) -> vSurgeRequest:
-        return cls(prompt, sampling=sampling_params, **kw)
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
 
     def sampling_params(self) -> SamplingParams:
         """A copy of the request's sampling parameters (validated by vSurge on submit)."""

@@ -90,7 +90,7 @@ def leader_surge(
 ) -> LockstepSurge:
     """The leader's vSurge over a LeaderEngine; the workers get the engine's setup first."""
     from ..drivers.vdriver import vDriver
-    from ..surge import vSurge
+    from ..surge import Surge
 
     engine = build_engine(model, processor, config)
     spec = config.mesh if isinstance(config.mesh, str) else None
@@ -110,7 +110,7 @@ def leader_surge(
             detokenizing_blocks=config.detokenizing_blocks,
             max_queue_size=config.max_queue_size,
         )
-    return LockstepSurge(vSurge(driver, name), lane)
+    return LockstepSurge(Surge(driver, name), lane)
 
 
 def exit_on_failure(

@@ -137,7 +137,7 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
             items = (
                 vsurge_map.items()
                 if isinstance(vsurge_map, Mapping)
-                else [(vsurge_map.vsurge_name, vsurge_map)]
+                else [(vsurge_map.name, vsurge_map)]
             )
             for name, surge in items:
                 self.add_model(name, surge)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vsurge.contracts.request import ReturnSample, vSurgeMetadata, vSurgeRequest
+from vsurge.contracts.request import GenerationRequest, ReturnSample, vSurgeMetadata
 from vsurge.contracts.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 from .streams import engine_events
@@ -103,7 +103,7 @@ async def search(
         if len(prompt_ids) + step > max_prompt_length:
             break  # the next prompt would not fit the context: what is live ends with "length"
         requests = [
-            vSurgeRequest.from_sampling_params(
+            GenerationRequest(
                 [*prompt_ids, *b.tokens],
                 step_params,
                 metadata=vSurgeMetadata(id=f"{request_id}-beam{step}.{j}"),

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vsurge.contracts.request import ReturnSample, vSurgeMetadata, vSurgeRequest
+from vsurge.contracts.request import GenerationRequest, ReturnSample, vSurgeMetadata
 
 from . import beam_search, errors
 from .errors import APIError
@@ -112,14 +112,14 @@ class GenerationRoutes:
         big = _chars(plan.prompts) > _OFFLOAD_CHARS
         plan.prompts = await asyncio.to_thread(run) if big else run()
 
-    def _engine_requests(self, plan: GenerationPlan, response_id: str) -> list[vSurgeRequest]:
+    def _engine_requests(self, plan: GenerationPlan, response_id: str) -> list[GenerationRequest]:
         out = []
         for i, prompt in enumerate(plan.prompts):
             ids = isinstance(prompt, list)
             extra = {"detokenize": True} if ids else {}  # a completion owes text even for token-id prompts
             md = vSurgeMetadata(id=response_id if len(plan.prompts) == 1 else f"{response_id}-{i}")
             out.append(
-                vSurgeRequest.from_sampling_params(
+                GenerationRequest(
                     prompt,
                     plan.sampling,
                     metadata=md,
@@ -157,7 +157,7 @@ class GenerationRoutes:
                 collectors = await run_until_disconnect(
                     request.receive, self._beam_search(entry, plan, response_id)
                 )
-                engine_reqs: list[vSurgeRequest] = []
+                engine_reqs: list[GenerationRequest] = []
             else:
                 collectors = None
                 engine_reqs = self._engine_requests(plan, response_id)
@@ -257,7 +257,7 @@ class GenerationRoutes:
         request: Request,
         entry: ServedModel,
         plan: GenerationPlan,
-        engine_reqs: list[vSurgeRequest],
+        engine_reqs: list[GenerationRequest],
         response_id: str,
         created: int,
         span: Any,
@@ -332,7 +332,7 @@ class GenerationRoutes:
         request: Request,
         entry: ServedModel,
         plan: GenerationPlan,
-        engine_reqs: list[vSurgeRequest],
+        engine_reqs: list[GenerationRequest],
         response_id: str,
         created: int,
         span: Any,

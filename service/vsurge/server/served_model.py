@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from starlette.responses import Response
 
-from vsurge.contracts.request import ReturnSample, vSurgeRequest
+from vsurge.contracts.request import GenerationRequest, ReturnSample
 
 from .errors import APIError
 from .logprob_shapes import TokenDecoder
@@ -38,7 +38,7 @@ class ServedEngine(Protocol):
 
     def count_tokens(self, text_or_conversation: str | list) -> int: ...
 
-    def complete(self, request: vSurgeRequest) -> AsyncIterator[list[ReturnSample]]: ...
+    def complete(self, request: GenerationRequest) -> AsyncIterator[list[ReturnSample]]: ...
 
     def metrics(self) -> Any: ...
 

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from vsurge.contracts.request import vSurgeRequest
+from vsurge.contracts.request import GenerationRequest
 
 
 class ClientDisconnected(Exception):
@@ -51,7 +51,9 @@ async def run_until_disconnect(receive: Receive, coro: Any) -> Any:
         watch.cancel()
 
 
-async def engine_events(surge: Any, requests: list[vSurgeRequest]) -> AsyncIterator[tuple[int, list[Any]]]:
+async def engine_events(
+    surge: Any, requests: list[GenerationRequest]
+) -> AsyncIterator[tuple[int, list[Any]]]:
     """(request index, samples) from one or several engine requests, as they arrive.
 
     Closing this generator closes every engine generator, which cancels their requests in the driver.
@@ -67,7 +69,7 @@ async def engine_events(surge: Any, requests: list[vSurgeRequest]) -> AsyncItera
     queue: asyncio.Queue = asyncio.Queue()
     done_marker = object()
 
-    async def pump(i: int, req: vSurgeRequest) -> None:
+    async def pump(i: int, req: GenerationRequest) -> None:
         agen = surge.complete(req)
         try:
             async for samples in agen:

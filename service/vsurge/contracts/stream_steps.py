@@ -1,5 +1,6 @@
-"""The seed's response processing for `vSurge.complete`: client-side steps pass through, server-side steps
-are buffered while a sample's text stops inside a multi-byte character, then merged. Pure, no jax.
+"""A stream's steps for `Surge.complete` (the seed's response processing): client-side steps pass through,
+server-side steps are buffered while a sample's text stops inside a multi-byte character, then merged.
+Pure, no jax.
 
 The driver already holds back the text of an unfinished character (drivers/detokenize.py), so a step that
 ends inside one carries token ids whose text has not been sent yet. Buffering such steps and merging them
@@ -12,7 +13,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
-from .contracts.request import ReturnSample
+from .request import ReturnSample
 
 __all__ = ["ends_inside_character", "merge_steps"]
 
