@@ -136,7 +136,9 @@ class DenseSlots:
     def step(self, state: Any) -> tuple[Any, Any, list[SlotOwner | None]]:
         self.last_step = time.monotonic()
         owners = list(self.owners)  # the step's rows, as the detokenizer will account them
+        self.step_kind = "decode"  # what the step runs, for its timing (step_timing.py)
         if self.inplace and not self.grammars:  # prompts being prefilled: a mixed step
+            self.step_kind = "mixed"
             state, out, seats = self.inplace.step(state)
             if self.drafts is not None:
                 self.drafts.advance(np.asarray(out.tokens))
@@ -144,6 +146,7 @@ class DenseSlots:
             return self.inplace.seat(state, self._loop, *seats), out, owners
         if self.drafts is None:
             if self.engine.decode_steps > 1 and not self.grammars:  # K steps in one program
+                self.step_kind = "decode_block"
                 state, out = self.engine.decode_block(state)
                 self._dispatched(self.engine.decode_steps)
                 return state, out, owners
@@ -153,6 +156,7 @@ class DenseSlots:
         # speculation: the proposer needs every step's tokens before the next step, so each is read here
         draft, num = self.drafts.propose() if not self.grammars else (None, None)
         if num is not None and self._verify_pays(num):
+            self.step_kind = "verify"
             state, out = self.engine.verify(state, draft, num)
             tokens, accepted = np.asarray(out.tokens), np.asarray(out.num_accepted)
             self.drafts.observe(draft, num, tokens[:, 0])

@@ -26,6 +26,7 @@ class PrefilledPack:
     batch: list[ActiveRequest]
     engine: Any  # the engine that prefilled them (its devices hold `prefix`)
     prefix: Any  # the engine's Prefix; entry j belongs to batch[j]
+    timing: Any = None  # step_timing.Dispatched of the prefill call
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class FirstToken:
 
     owner: Any
     result: Any  # SampleResult with one row
+    timing: Any = None  # step_timing.Dispatched of the prefill step that sampled it (oDriver), else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,7 @@ class Step:
 
     result: Any  # SampleResult, still being copied to the host when sent
     owners: list[Any]
+    timing: Any = None  # step_timing.Dispatched: the step's kind and dispatch time
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,12 +87,14 @@ class PagedSteps:
         if sched.any_decoding():
             return state, True  # the pipeline dispatches the step (decode rows + these chunks)
         if self._chunks:  # prefill only: no decode rows, so no tokens for the pipeline to hand on
+            started = time.perf_counter()
             try:
                 state, _, _ = self._dispatch(state, np.zeros(0, bool))
             except Exception as e:
                 log.exception("prefill step failed")
                 return self.lose_state(f"prefill failed: {e}"), False
-            self._seat_finals(loop)
+            took = time.perf_counter() - started
+            self._seat_finals(loop, self.pipeline.clock.dispatched("prefill", self.engine, took))
         return state, False
 
     def step(self, state: Any) -> tuple[Any, Any, list[Seq | None]]:
@@ -117,6 +119,7 @@ class PagedSteps:
             self._version = sched.table_version
             self._table = put_host(sched.table.copy(), eng._replicated())
         now = time.time()
+        self.step_kind = "mixed" if chunks else "decode"  # for its timing (step_timing.py)
         work = []
         for c in chunks:
             seq = c.seq
@@ -146,14 +149,15 @@ class PagedSteps:
         self._firsts = [(chunks[k], first) for k, first in firsts]
         return state, out, 0 if out is None else out.tokens.shape[0]
 
-    def _seat_finals(self, loop: StepLoop) -> None:
-        """Sequences whose final chunk went out in the last step: their first token, then decoding."""
+    def _seat_finals(self, loop: StepLoop, timing: Any = None) -> None:
+        """Sequences whose final chunk went out in the last step: their first token, then decoding.
+        ``timing``: the step's (a prefill-only step), read ready with its first token."""
         firsts, self._firsts = self._firsts, []
         now = time.time()
-        for chunk, first in firsts:
+        for k, (chunk, first) in enumerate(firsts):
             seq = chunk.seq
             seq.req.metadata.prefill_done_at = now
-            loop.send(FirstToken(seq, first))
+            loop.send(FirstToken(seq, first, timing if k == 0 else None))
             if not self.sched.start_decoding(seq):
                 self.sched.release(seq)  # its first token was its last
 

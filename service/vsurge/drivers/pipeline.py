@@ -35,6 +35,7 @@ from ..contracts.request import QueueFullError
 from .active_request import ActiveRequest
 from .lanes import STOP, Abort, FirstToken, Preempt, Step, requests_of
 from .metrics import MetricsRecorder
+from .step_timing import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ class Pipeline:
         self.prefill_q: queue.Queue = PrefillQueue(max_queue_size)
         self.detokenizing_blocks = detokenizing_blocks
         self.metrics = MetricsRecorder()
+        self.clock = StepClock()  # device and host seconds per step (step_timing.py)
         # called once per request when it ends, however it ends (a LoRA adapter's pin is released there)
         self.end_hooks: list[Callable[[ActiveRequest], None]] = []
         self.live = False
@@ -276,6 +278,7 @@ class Pipeline:
         loop = StepLoop(self, lane)
         state = stepper.init_state()
         while self.live:
+            started = time.perf_counter()
             state, due = stepper.plan(state, loop)
             if not due:
                 continue
@@ -288,8 +291,10 @@ class Pipeline:
                 continue
             for leaf in out:
                 leaf.copy_to_host_async()
+            kind, engine = getattr(stepper, "step_kind", "decode"), getattr(stepper, "engine", stepper)
+            timing = self.clock.dispatched(kind, engine, time.perf_counter() - started)
             loop.flush()
-            loop.pending = Step(out, owners)
+            loop.pending = Step(out, owners, timing)
             stepper.stepped()
         loop.flush()
         lane.detok.put(STOP)  # unbounded wait: the detokenizer is draining this queue
@@ -314,6 +319,7 @@ class Pipeline:
                 if owner.index == 0 and not owner.req.samples[0].prompt_info_sent:
                     owner.req.num_cached_tokens = owner.cached_tokens  # usage.prompt_tokens_details
                 tokens, logprob, top_ids, top_lps = (np.asarray(x) for x in item.result)
+                self.clock.ready(item.timing)
                 self._take(lane, owner, int(tokens[0]), logprob[0], top_ids[0], top_lps[0], max_length)
                 self._flush([owner.req])
             else:
@@ -323,6 +329,7 @@ class Pipeline:
         """Account a decode step (one token per row) or a verify step (1..K+1 tokens per row: the
         accepted draft and one more); returns the requests that got tokens."""
         host = [np.asarray(x) for x in item.result]
+        self.clock.ready(item.timing)
         tokens, logprob, top_ids, top_lps = host[:4]
         multi = tokens.ndim == 2  # a VerifyStep: its fifth leaf is the accepted count per row
         per_token_top = top_ids.ndim == 3  # a decode block: top logprobs for each of a row's tokens

@@ -83,6 +83,7 @@ def _finish(driver: Any, s: _Started) -> None:
     p, batch = driver.pipeline, s.pack.batch
     try:
         jax.block_until_ready(s.prefix.hidden)
+        p.clock.ready(s.pack.timing)
     except Exception as e:
         for req in batch:
             p.fail(req, f"transfer failed: {e}")

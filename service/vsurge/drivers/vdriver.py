@@ -320,7 +320,7 @@ class vDriver:  # noqa: N801 - the seed's name
             self._may_prefill.clear()
             if not p.live:
                 return False
-        now = time.time()
+        now, started = time.time(), time.perf_counter()
         for req in batch:
             req.metadata.prefill_started_at = now
         try:
@@ -341,8 +341,9 @@ class vDriver:  # noqa: N801 - the seed's name
                 p.fail(req, f"prefill failed: {e}")
             batch.clear()  # failed, not aborted
             return True
+        timing = p.clock.dispatched("prefill", engine, time.perf_counter() - started)
         # stopping: the hand-off never happened
-        return p.put(self._transfer_q, PrefilledPack(batch, engine, prefix))
+        return p.put(self._transfer_q, PrefilledPack(batch, engine, prefix, timing))
 
     def _transfer_loop(self) -> None:
         while self.pipeline.live:

@@ -89,6 +89,8 @@ E2E_BUCKETS = (
     960.0,
 )
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# One engine step: a TPU decode step of a small model takes ~1 ms, a CPU one or a long prefill seconds.
+STEP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 # DriverMetrics field -> (metric name, help). Gauges are sampled at scrape time.
 _GAUGES = (
@@ -299,6 +301,23 @@ class ServerMetrics:
             buckets=QUEUE_BUCKETS,
             registry=r,
         )
+        # per engine step, by program kind (drivers/step_timing.py says how each is taken)
+        self.step_seconds = {
+            what: Histogram(
+                f"vsurge_step_{what}_seconds",
+                help,
+                ["model", "kind"],
+                buckets=STEP_BUCKETS,
+                registry=r,
+            )
+            for what, help in (
+                ("device", "Seconds from a step's dispatch until its results are ready, by program kind."),
+                (
+                    "host",
+                    "Seconds of the driver's Python time per step (planning, dispatch), by program kind.",
+                ),
+            )
+        }
         self.load_seconds = Gauge(
             "vsurge_model_load_seconds",
             "Seconds spent loading the model, by phase: download, place (on devices), compile, total.",
@@ -358,6 +377,13 @@ class ServerMetrics:
         add_observer = getattr(surge, "add_observer", None)
         if add_observer is not None:
             add_observer(lambda stats, _name=name: self.observe(_name, stats))
+        # each engine step's device and host seconds (drivers/step_timing.py); a driver of the seed's own
+        # has no step clock and reports none
+        clock = getattr(getattr(getattr(surge, "driver", None), "pipeline", None), "clock", None)
+        if clock is not None:
+            clock.observers.append(
+                lambda what, kind, s, _n=name: self.step_seconds[what].labels(_n, kind).observe(s)
+            )
 
     def models(self) -> list[tuple[str, Any]]:
         with self._lock:
