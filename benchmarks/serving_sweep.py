@@ -177,11 +177,11 @@ def engine_only(args, jobs: list[Job], runs) -> dict[str, Any]:
     cfg = parse_serve_config(["--model", args.model, *shlex.split(args.vsurge_args)])
     enable_compilation_cache()
     mesh = None
-    if cfg.mesh:
+    if cfg.engine.mesh:
         from vsurge.models.sharding import make_mesh
 
-        mesh = make_mesh(cfg.mesh)
-    model, processor = vsurge.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization)
+        mesh = make_mesh(cfg.engine.mesh)
+    model, processor = vsurge.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.engine.quantization)
     size_engine(cfg, model, mesh, _say)
     surge = build_surge(cfg, model, processor, mesh)
     surge.compile()

@@ -14,7 +14,7 @@ from vsurge.server.tracing import provider_from_env, tracing_configured
 def test_defaults():
     cfg = parse_serve_config([], {})
     assert cfg.model == "default" and cfg.port == 11556 and cfg.resolved_metrics_port == 11557
-    assert cfg.driver == "vdriver" and cfg.host == "0.0.0.0" and cfg.api_key is None
+    assert cfg.engine.driver == "vdriver" and cfg.host == "0.0.0.0" and cfg.api_key is None
     assert cfg.model_name == "SmolLM2-135M-Instruct"
 
 
@@ -40,10 +40,11 @@ def test_every_option_reads_its_env_var():
         "VSURGE_NUM_SPECULATIVE_TOKENS": "6",
     }
     cfg = parse_serve_config([], env)
-    assert (cfg.model, cfg.served_model_name, cfg.driver) == ("/models/llama/", "llama", "odriver")
-    assert (cfg.max_concurrent_decodes, cfg.max_length, cfg.prefill_lengths) == (16, 4096, [128, 256, 512])
-    assert cfg.max_concurrent_prefill == 4
-    assert (cfg.page_size, cfg.hbm_utilization, cfg.mesh, cfg.dtype) == (64, 0.8, "tp=4", "bfloat16")
+    e = cfg.engine
+    assert (cfg.model, cfg.served_model_name, e.driver) == ("/models/llama/", "llama", "odriver")
+    assert (e.max_concurrent_decodes, e.max_length, e.prefill_lengths) == (16, 4096, (128, 256, 512))
+    assert e.max_concurrent_prefill == 4
+    assert (e.page_size, e.hbm_utilization, e.mesh, cfg.dtype) == (64, 0.8, "tp=4", "bfloat16")
     assert (cfg.host, cfg.port, cfg.resolved_metrics_port) == ("127.0.0.1", 9000, -1)
     assert (cfg.api_key, cfg.ssl_keyfile, cfg.ssl_certfile) == ("sekrit", "k.pem", "c.pem")
     assert cfg.engine.num_speculative_tokens == 6

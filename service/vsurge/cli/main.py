@@ -40,7 +40,7 @@ from vsurge.router import cli as router_cli
 
 
 def build_surge(cfg: ServeConfig, model: Any, processor: Any, mesh: Any = None) -> Any:
-    """The Surge for `cfg.driver` with the engine options of `cfg` (the mesh given, as the model's)."""
+    """The Surge for `cfg.engine.driver` with the engine options of `cfg` (the mesh given, as the model's)."""
     from vsurge.surge import Surge
 
     return Surge.from_config(model, processor, cfg.engine.replace(mesh=mesh), name=cfg.model_name)
@@ -97,13 +97,13 @@ def run_serve(cfg: ServeConfig) -> int:
         enable_compilation_cache()
 
         mesh = None
-        if cfg.mesh:
+        if cfg.engine.mesh:
             from vsurge.models.sharding import make_mesh
 
-            mesh = make_mesh(cfg.mesh)
+            mesh = make_mesh(cfg.engine.mesh)
         if leader is not None:
             mesh = leader.mesh(cfg)
-        model, processor = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization)
+        model, processor = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.engine.quantization)
         load_s = time.perf_counter() - t0
         say(f"loaded {cfg.model_name} in {load_s:.1f}s")
         if leader is None:  # a multi-host group keeps the plain defaults: every process must agree

@@ -68,7 +68,7 @@ def print_config(cfg: Any) -> int:
             "assumes they fit)"
         )
     rows: list[Resolved] = resolve(cfg.engine, backend, model_config, explicit=set(cfg.set_knobs))
-    rows, why = sizing_rows(cfg, model_config, devices if cfg.mesh else devices[:1], rows)
+    rows, why = sizing_rows(cfg, model_config, devices if cfg.engine.mesh else devices[:1], rows)
     print(format_resolved(rows))
     print(why)
     return 0

@@ -248,9 +248,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
 
 @dataclass
 class ServeConfig:
-    """`vsurge serve`'s configuration: the server's own options, and the engine's as an EngineConfig.
-
-    The engine knobs also read as attributes (``cfg.page_size``, ``cfg.driver``), as they always did."""
+    """`vsurge serve`'s configuration: the server's own options, and the engine's as an EngineConfig
+    (``cfg.engine.page_size``)."""
 
     model: str = "default"
     served_model_name: str | None = None
@@ -280,12 +279,6 @@ class ServeConfig:
     # None (a ServeConfig built in Python): those that differ from EngineConfig's defaults
     explicit: frozenset[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ENGINE_FIELDS:  # only reached for names that are not the server's own fields
-            value = getattr(self.engine, name)
-            return list(value) if isinstance(value, tuple) else value  # prefill_lengths reads as a list
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def model_name(self) -> str:

@@ -61,14 +61,14 @@ def refuse_unsupported(cfg: Any) -> None:
     """Engine features a multi-host group cannot run in lockstep are refused at start, by name. Every
     feature of both drivers crosses the lane today (mixed steps, in-place prefill, speculative decoding,
     structured output, int8, LoRA adapters), so this only checks what a group needs of its mesh."""
-    if not cfg.mesh:
+    if not cfg.engine.mesh:
         raise ValueError("a multi-host group needs --mesh / VSURGE_MESH covering every device of the group")
 
 
 def _mesh(cfg: Any) -> Any:
     from ..models.sharding import make_mesh
 
-    mesh = make_mesh(cfg.mesh) if cfg.mesh else None
+    mesh = make_mesh(cfg.engine.mesh) if cfg.engine.mesh else None
     check_mesh(mesh)
     return mesh
 
@@ -102,7 +102,7 @@ def run_worker(cfg: Any, start: GroupStart) -> None:
         enable_compilation_cache()  # as the leader does: a restart skips most of the compile
         mesh = _mesh(cfg)
         lane.say(f"loading {cfg.model} (mesh {dict(mesh.shape)})")
-        model, processor = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.quantization)
+        model, processor = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.engine.quantization)
         lane.say(holding(model))
         lane.loaded(mesh)
         code = lane.run(model, processor)
