@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -33,6 +34,7 @@ from .lora_routes import LoraRoutes, find_adapter
 from .messages_routes import MessagesRoutes
 from .metrics import ServerMetrics
 from .parsing import read_json
+from .profile_routes import ProfileRoutes
 from .render_routes import RenderRoutes
 from .responses_routes import ResponsesRoutes
 from .responses_store import ResponseStore
@@ -63,6 +65,7 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
     InfoRoutes,
     TokenRoutes,
     LoraRoutes,
+    ProfileRoutes,
 ):
     """OpenAI-compatible HTTP server over `vsurge_map` (a vSurge, or {served name: vSurge}).
 
@@ -91,6 +94,7 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
         tool_call_parser: str | None = None,
         lora_runtime_updates: bool = False,
         admin_key: str | None = None,
+        profile_dir: str | None = None,
     ) -> None:
         from .tool_parsers import PARSERS
 
@@ -110,6 +114,11 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
         self.lora_runtime_updates = lora_runtime_updates
         # those routes' own key (lora_routes.py): the API key does not open them where one is set
         self.admin_key = admin_key or None
+        # POST /debug/profile writes its traces here (profile_routes.py; None: the route is off)
+        self.profile_dir = profile_dir or None
+        if self.profile_dir is not None:
+            Path(self.profile_dir).mkdir(parents=True, exist_ok=True)  # unwritable: fail at start, not later
+        self._profiling = threading.Lock()
         self.models: dict[str, ServedModel] = {}
         # /v1/responses' stored responses (store: true, previous_response_id), in memory
         self.responses_store = ResponseStore()
@@ -173,6 +182,7 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
             Route("/readiness", self.readiness, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
+            Route("/debug/profile", self.debug_profile, methods=["POST"]),
         ]
 
         @asynccontextmanager
