@@ -24,7 +24,7 @@ from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers.lora_adapters import LoraAdapters
 from vsurge.models.lora import TARGETS, target_shape
 
-BATCH, RANK, PROMPT = 32, 16, 16
+BATCH, RANK, PROMPT = 32, 16, 16  # BATCH: --batch's default
 
 
 def write_adapter(directory: str, cfg, seed: int) -> None:
@@ -49,12 +49,13 @@ def write_adapter(directory: str, cfg, seed: int) -> None:
 
 
 def decode_rate(engine: vEngine, adapters: list[int], steps: int) -> float:
-    """Tokens per second of ``steps`` decode steps over BATCH rows (row i on bank slot adapters[i])."""
+    """Tokens per second of ``steps`` decode steps over len(adapters) rows (row i on bank slot adapters[i])."""
+    batch = len(adapters)
     state = engine.init_decode_state()
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
-    prompts = [[5 + (i + j) % 200 for j in range(PROMPT)] for i in range(BATCH)]
+    prompts = [[5 + (i + j) % 200 for j in range(PROMPT)] for i in range(batch)]
     per_call = engine.max_concurrent_prefill
-    for at in range(0, BATCH, per_call):
+    for at in range(0, batch, per_call):
         group = prompts[at : at + per_call]
         prefix = engine.prefill_many(group, [params] * len(group), None, adapters[at : at + per_call])
         for j in range(len(group)):
@@ -65,20 +66,21 @@ def decode_rate(engine: vEngine, adapters: list[int], steps: int) -> float:
     for _ in range(steps):
         state, out = engine.decode(state)
     jax.block_until_ready(out)
-    return BATCH * steps / (time.perf_counter() - t0)
+    return batch * steps / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=BATCH, help="rows decoding (4 for a smoke run)")
     ap.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16 on a TPU)")
     ap.add_argument("--json", help="also write the rates here")
     args = ap.parse_args(argv)
     model, tok = load_model(args.model, dtype=args.dtype)
     # decode_steps=1: decode_rate times the single decode step (no decode blocks to compile on a TPU)
     common = dict(
-        max_concurrent_decodes=BATCH,
+        max_concurrent_decodes=args.batch,
         max_length=128,
         prefill_lengths=(32,),
         max_concurrent_prefill=8,
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     base = vEngine(model, tok, config=EngineConfig(**common))
     base.compile()
-    results["no bank"] = decode_rate(base, [-1] * BATCH, args.steps)
+    results["no bank"] = decode_rate(base, [-1] * args.batch, args.steps)
     del base
     engine = vEngine(
         model, tok, config=EngineConfig(**common, enable_lora=True, max_loras=4, max_lora_rank=RANK)
@@ -100,14 +102,15 @@ def main(argv: list[str] | None = None) -> None:
             lora.add(f"a{i}", os.path.join(d, str(i)))
             lora.bank.write(i, lora._entries[f"a{i}"].weights)
     for k in (0, 1, 4):
-        results[f"{k} adapters"] = decode_rate(engine, [i % k if k else -1 for i in range(BATCH)], args.steps)
+        rows = [i % k if k else -1 for i in range(args.batch)]
+        results[f"{k} adapters"] = decode_rate(engine, rows, args.steps)
     for name, rate in results.items():
-        print(f"batch {BATCH}, {name:>10}: {rate:7.1f} tok/s")
+        print(f"batch {args.batch}, {name:>10}: {rate:7.1f} tok/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 dict(
-                    batch=BATCH,
+                    batch=args.batch,
                     rank=RANK,
                     dtype=args.dtype,
                     device=jax.devices()[0].device_kind,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -151,12 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--smoke", action="store_true", help="4 short requests, 2 in flight: the path only (tests)"
+    )
     args = p.parse_args(argv)
 
     import vsurge
     from vsurge import vSurge
 
     preset = serving.PRESETS[args.preset]
+    if args.smoke:
+        preset = dataclasses.replace(
+            preset, num_requests=4, concurrency=2, prompt_tokens=(8, 16), max_tokens=(4, 8)
+        )
     model, processor = vsurge.load_model(args.model)
     kw: dict[str, Any] = {
         "max_concurrent_decodes": args.slots,
