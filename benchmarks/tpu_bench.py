@@ -3,11 +3,12 @@
     python benchmarks/tpu_bench.py --out-dir $OUT                    # on the TPU machine, <= 8 minutes
     python benchmarks/tpu_bench.py --shapes 1b64 --paths vdriver     # a subset
     python benchmarks/tpu_bench.py --shapes tiny --budget-s 900      # CPU smoke test (tests/service/test_tpu_bench.py)
+    python benchmarks/tpu_bench.py checkpoint 1b64 /tmp/ckpt-1b64    # only write a shape's checkpoint
 
 For each shape (benchmarks/tpu_checkpoint.py: Llama-3.2-1B with head_dim 64, the same sizes with head_dim
 128, Llama-3.1-8B loaded in int8) a random-weight bf16 checkpoint is written once and loaded through
-`vsurge.load_model` in a worker process of its own (benchmarks/tpu_worker.py; one process holds the chip
-at a time, and a crash or a hang costs that shape alone). Per driver/attention path the worker measures
+`vsurge.load_model` in a worker process of its own (`tpu_bench.py worker ...`, benchmarks/tpu_worker.py; one
+process holds the chip at a time, and a crash or a hang costs that shape alone). Per driver/attention path the worker measures
 the raw loop (the bare jitted decode step), then the engine through `vSurge.create` / `vSurge.complete`:
 a fixed batch (64 requests x 256 tokens, all in flight) and mixed arriving traffic (128 requests, prompts
 32-512, outputs 16-256, 64 in flight: each arrives as another finishes). Reported: step time, tok/s, share
@@ -53,7 +54,7 @@ PEAK_GBPS = {"tpu v5 lite": 819.0, "tpu v5e": 819.0, "tpu v6 lite": 1640.0, "tpu
 def worker(args, shape: str, plan: dict[str, Any], ckpt: str, deadline_s: float, out: Path, extra=()) -> dict:
     cmd = [
         sys.executable,
-        str(HERE / "tpu_worker.py"),
+        str(HERE / "tpu_bench.py"), "worker",
         "--ckpt", ckpt,
         "--shape", shape,
         "--paths", args.paths or plan["paths"],
@@ -322,4 +323,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:  # one shape in the process worker() starts
+        from tpu_worker import main as worker_main
+
+        raise SystemExit(worker_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["checkpoint"]:  # a shape's checkpoint alone, e.g. for serving.py --serve on the chip
+        write_checkpoint(*sys.argv[2:4])
+        raise SystemExit(0)
     raise SystemExit(main())

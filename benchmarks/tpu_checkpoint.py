@@ -1,7 +1,7 @@
 """Random-weight checkpoints of real model shapes, written as a user's would be: Hugging Face config.json,
 bf16 safetensors shards and a byte-level BPE tokenizer.json, for `vsurge.load_model` to read.
 
-    python benchmarks/tpu_checkpoint.py 1b64 /tmp/ckpt-1b64
+    python benchmarks/tpu_bench.py checkpoint 1b64 /tmp/ckpt-1b64
 
 The weights are N(0, 0.02) blocks tiled over each tensor (fast to write: a 16 GB 8B checkpoint is disk
 speed, not random-number speed); norms are ones. The tokenizer has the model's whole vocabulary (256 byte
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
 
 import numpy as np
@@ -263,7 +262,3 @@ def write_checkpoint(shape: str, directory: str, seed: int = 0) -> int:
     with open(marker, "w") as f:
         json.dump(cfg, f)
     return total
-
-
-if __name__ == "__main__":
-    write_checkpoint(sys.argv[1], sys.argv[2])

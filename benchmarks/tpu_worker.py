@@ -1,6 +1,6 @@
 """One model shape on the TPU, in its own process (benchmarks/tpu_bench.py starts one per shape).
 
-    python benchmarks/tpu_worker.py --ckpt /tmp/ckpt-1b64 --shape 1b64 --paths vdriver,odriver-pallas \
+    python benchmarks/tpu_bench.py worker --ckpt /tmp/ckpt-1b64 --shape 1b64 --paths vdriver,odriver-pallas \
         --out /tmp/1b64.json --deadline-s 200
 
 Loads the checkpoint with `vsurge.load_model`, then per driver/attention path: the raw loop (the model's
@@ -376,7 +376,3 @@ def main(argv=None) -> int:
         OUT["worker_s"] = time.perf_counter() - T_PROCESS
         save(args.out)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
