@@ -170,7 +170,7 @@ def micro(tok: Any, n: int = 2000) -> dict[str, float]:
         owners = [Owner(q) for q in reqs]
         t0 = _clock()
         for row, o in enumerate(owners):
-            pipe._take(lane, o, host, row, 10**6)
+            pipe._take(lane, o, int(host[0][row]), host[1][row], host[2][row], host[3][row], 10**6)
         pipe._flush(reqs)
         return _clock() - t0
 

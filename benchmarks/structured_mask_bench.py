@@ -134,6 +134,11 @@ def main() -> None:
     eos = int(tok.eos_token_id)
     print(f"tokenizer: {vocab} ids, eos {eos}")
     for name in args.engines.split(","):
+        try:
+            __import__(name)
+        except ImportError:  # xgrammar is not a dependency: compared where someone installed it
+            print(f"{name}: not installed, skipped")
+            continue
         {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar}[name](tok, vocab, eos, args.reps)
 
 
