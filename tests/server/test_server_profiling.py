@@ -128,7 +128,7 @@ def test_a_trace_of_serving_names_the_engines_programs(profiled, surge):
     jit__firsts_impl in 3 s of requests one after another."""
     import threading
 
-    from vsurge.server.profile_routes import programs
+    from vsurge.server.trace_programs import programs
 
     stop = threading.Event()
 
@@ -187,3 +187,15 @@ def test_one_trace_at_a_time(profiled):
     assert sorted(r.status_code for r in answers) == [200, 409], [r.text for r in answers]
     busy = next(r for r in answers if r.status_code == 409)
     assert busy.json()["error"]["code"] == "profile_in_progress"
+
+
+def test_serve_takes_the_profile_dir_from_its_flag_or_variable(tmp_path):
+    from vsurge.cli.main import build_api, parse_serve_config
+
+    flag, var = str(tmp_path / "flag"), str(tmp_path / "var")
+    assert parse_serve_config(["--profile-dir", flag], env={"VSURGE_PROFILE_DIR": var}).profile_dir == flag
+    assert parse_serve_config([], env={"VSURGE_PROFILE_DIR": var}).profile_dir == var
+    assert parse_serve_config([], env={}).profile_dir is None
+    api = build_api(parse_serve_config(["--profile-dir", flag], env={}))
+    assert api.profile_dir == flag and (tmp_path / "flag").is_dir()  # made at start: a bad path fails there
+    assert build_api(parse_serve_config([], env={})).profile_dir is None

@@ -66,6 +66,7 @@ def build_api(cfg: ServeConfig) -> Any:
     return vSurgeApiServer(
         api_key=cfg.api_key,
         admin_key=cfg.admin_key,
+        profile_dir=cfg.profile_dir,
         max_body_bytes=cfg.max_body_bytes,
         drain_timeout_s=cfg.drain_timeout,
         tool_call_parser=cfg.tool_call_parser,

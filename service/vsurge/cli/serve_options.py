@@ -167,9 +167,18 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "VSURGE_ADMIN_KEY",
         str,
         None,
-        "the admin routes' own key (POST /v1/load_lora_adapter, /v1/unload_lora_adapter): they need "
-        "`Authorization: Bearer KEY`, the API key does not open them; prefer the env var",
+        "the admin routes' own key (POST /v1/load_lora_adapter, /v1/unload_lora_adapter, /debug/profile): "
+        "they need `Authorization: Bearer KEY`, the API key does not open them; prefer the env var",
         "KEY",
+    ),
+    Option(
+        "--profile-dir",
+        "VSURGE_PROFILE_DIR",
+        str,
+        None,
+        "where POST /debug/profile?seconds=N (guarded as the admin routes) writes a jax.profiler trace of N "
+        "seconds of serving; unset, that route is off",
+        "DIR",
     ),
     Option("--ssl-keyfile", "VSURGE_SSL_KEYFILE", str, None, "TLS private key (PEM)", "FILE"),
     Option("--ssl-certfile", "VSURGE_SSL_CERTFILE", str, None, "TLS certificate chain (PEM)", "FILE"),
@@ -260,6 +269,7 @@ class ServeConfig:
     uds: str | None = None
     api_key: str | None = None
     admin_key: str | None = None
+    profile_dir: str | None = None
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     log_level: str = "info"

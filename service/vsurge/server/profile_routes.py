@@ -5,19 +5,16 @@ read it: ``DIR/plugins/profile/<run>/<host>.xplane.pb`` (and a ``.trace.json.gz`
 The route is off (404) unless a profile directory was given, and guarded as the other admin routes
 (lora_routes.py): the admin key where one is set, else the API key. One trace at a time: a second request
 while one runs gets 409. The answer names the trace file and lists the engine's programs that ran in it,
-by device time: ``python -m vsurge.server.profile_routes TRACE.xplane.pb`` prints the same list for a trace
-taken any other way (docs/performance.md, "Why is my step slow").
+by device time (trace_programs.py: ``python -m vsurge.server.trace_programs TRACE.xplane.pb`` prints the
+same list for a trace taken any other way; docs/performance.md, "Why is my step slow").
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -66,34 +63,6 @@ def take_trace(directory: str, seconds: float) -> Path:
     return written[-1]
 
 
-def programs(trace: str | Path) -> list[dict[str, Any]]:
-    """The XLA programs that ran in ``trace`` (an .xplane.pb), most device time first: each one's name
-    (``jit_<function>``), executions and seconds. An execution is a run id of the program's device events
-    (XLA:CPU's thunks, a TPU's ops); its seconds run from its first event's start to its last one's end."""
-    import jax
-
-    spans: dict[tuple[str, int], list[float]] = {}
-    for plane in jax.profiler.ProfileData.from_file(str(trace)).planes:
-        for line in plane.lines:
-            for event in line.events:
-                stats = dict(event.stats)
-                module, run = stats.get("hlo_module"), stats.get("run_id")
-                if module is None or run is None:
-                    continue
-                span = spans.setdefault((str(module), int(run)), [event.start_ns, event.start_ns])
-                span[0] = min(span[0], event.start_ns)
-                span[1] = max(span[1], event.start_ns + event.duration_ns)
-    runs: collections.Counter[str] = collections.Counter()
-    took: collections.Counter[str] = collections.Counter()
-    for (module, _), (start, end) in spans.items():
-        runs[module] += 1
-        took[module] += (end - start) / 1e9
-    return [
-        {"name": name, "executions": runs[name], "seconds": round(took[name], 6)}
-        for name in sorted(runs, key=lambda n: -took[n])
-    ]
-
-
 class ProfileRoutes:
     """POST /debug/profile. A mixin of vSurgeApiServer (needs `_check_admin`, lora_routes.py)."""
 
@@ -102,6 +71,8 @@ class ProfileRoutes:
 
     @answers_api_errors
     async def debug_profile(self, request: Request) -> Response:
+        from .trace_programs import programs  # not at import: `python -m` runs that module alone
+
         self._check_admin(request)  # type: ignore[attr-defined]
         if self.profile_dir is None:
             raise APIError(
@@ -122,19 +93,3 @@ class ProfileRoutes:
         finally:
             self._profiling.release()
         return JSONResponse({"trace": str(trace), "seconds": seconds, "programs": listed})
-
-
-def main(argv: list[str]) -> int:
-    """Print the programs of a trace file, most device time first."""
-    if len(argv) != 1:
-        print("usage: python -m vsurge.server.profile_routes TRACE.xplane.pb", file=sys.stderr)
-        return 2
-    rows = programs(argv[0])
-    print(f"{'seconds':>10} {'runs':>6}  program")
-    for row in rows:
-        print(f"{row['seconds']:10.4f} {row['executions']:6d}  {row['name']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
