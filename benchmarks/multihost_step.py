@@ -41,9 +41,9 @@ def _calls(layers: int):
     """(name, method path, args) of the three calls, built from real (small) device arrays."""
     import numpy as np
 
-    from vsurge.engines.dense_mixed import Chunk
+    from vsurge.engines.dense.mixed_step import Chunk
+    from vsurge.engines.dense.vengine import GenerationState, Prefix
     from vsurge.engines.sampling import SlotSampling
-    from vsurge.engines.vengine import GenerationState, Prefix
 
     caches = tuple(tuple(_arrays(2)) for _ in range(layers))
     sampling = SlotSampling(*_arrays(len(SlotSampling._fields)))
@@ -185,7 +185,7 @@ def child(args) -> None:
     from vsurge.models.sharding import make_mesh
 
     if args.role == "single":
-        from vsurge.engines.vengine import vEngine
+        from vsurge.engines.dense.vengine import vEngine
 
         mesh = make_mesh("tp=8")
         model, tok, kw = _engine(args.model, mesh)

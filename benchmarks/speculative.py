@@ -7,7 +7,7 @@ Two workloads on the same engine, greedy, every row live from the start:
   repetitive  each row is asked to repeat a passage of its prompt (the output quotes its context)
   random      prompts of random words (little for prompt lookup to find)
 For each: `plain` runs `vEngine.decode` steps; `ngram` proposes up to K tokens per row from the row's own
-tokens (engines/speculative.py, on the host, between steps) and runs one `SpeculativeVerifier.step` (K+1
+tokens (engines/dense/speculative.py, on the host, between steps) and runs one `SpeculativeVerifier.step` (K+1
 tokens per row in one call); a step where no row has a draft runs the plain decode step instead. Reported:
 generated tokens/s, speed-up, acceptance rate (accepted / proposed draft tokens), and whether the ngram
 tokens equal the plain ones (greedy: they must, up to float ties).
@@ -69,7 +69,7 @@ def prompts(tok: Any, kind: str, rows: int, seed: int = 0) -> list[list[int]]:
 
 def run(eng: Any, spec: Any, ps: list[list[int]], tokens: int, k: int, use_spec: bool) -> dict[str, Any]:
     from vsurge.contracts.sampling_params import SamplingParams
-    from vsurge.engines.speculative import propose_ngram_batch
+    from vsurge.engines.dense.speculative import propose_ngram_batch
 
     sp = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
     state = eng.init_decode_state()
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import vsurge
-    from vsurge.engines.spec_verify import SpeculativeVerifier
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.spec_verify import SpeculativeVerifier
+    from vsurge.engines.dense.vengine import vEngine
 
     model, tok = vsurge.load_model(args.model)
     eng = vEngine(

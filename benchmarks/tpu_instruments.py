@@ -109,7 +109,7 @@ def busy_rows_experiment(surge, engine, args, fixed, mixed, deadline: float) -> 
     """The fixed and mixed workloads again with vDriver's prefill calls as large while streams decode as
     on an idle engine (BUSY_PREFILL_PROMPTS / BUSY_PREFILL_ROWS raised to the idle bounds; the programs
     are compiled already): what the busy bounds cost or save on this chip."""
-    from vsurge.drivers import vdriver
+    from vsurge.drivers.dense import vdriver
 
     saved = vdriver.BUSY_PREFILL_PROMPTS, vdriver.BUSY_PREFILL_ROWS
     vdriver.BUSY_PREFILL_PROMPTS = engine.max_concurrent_prefill

@@ -40,7 +40,7 @@ def raw_paged_cache(cfg, batch: int, max_length: int, page: int, dtype):
     are padded to 128 lanes on the kernel path and cost twice the model's bytes). A table naming a page
     the cache does not hold is refused here: the TPU kernel does not bound-check its page DMAs, and an
     index past the cache halts the chip's core (E0200 RuntimeUnexpectedCoreHalt, 2026-12-06, head_dim 64)."""
-    from vsurge.engines.paging import PagedAttentionCache, bytes_per_page, cache_layout
+    from vsurge.engines.paged.paging import PagedAttentionCache, bytes_per_page, cache_layout
     from vsurge.models.paged_attention import use_pallas
 
     per = -(-max_length // page)

@@ -71,19 +71,19 @@ def test_no_import_runs_back_up_the_layers():
 def test_the_checks_can_fail():
     assert circles({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a": {"a.x"}}) == [["a.x", "a.y", "a.z"]]
     graph = {
-        "vsurge.models.llama": {"vsurge.engines.vengine"},  # models must not know engines
-        "vsurge.engines.vengine": {"vsurge.models.llama"},
+        "vsurge.models.llama": {"vsurge.engines.dense.vengine"},  # models must not know engines
+        "vsurge.engines.dense.vengine": {"vsurge.models.llama"},
         # the router: contracts only
-        "vsurge.router.app": {"vsurge.engines.vengine", "vsurge.contracts.env_options"},
+        "vsurge.router.app": {"vsurge.engines.dense.vengine", "vsurge.contracts.env_options"},
         "vsurge.server.app": {"vsurge.router.app"},  # only the cli registers the router
         "vsurge.cli.main": {"vsurge.router.cli"},
         "vsurge.router.cli": set(),
-        "vsurge.engines.vengine.x": set(),
+        "vsurge.engines.dense.vengine.x": set(),
         "vsurge.contracts.env_options": set(),
     }
     assert back_arrows(graph) == [
-        ("vsurge.models.llama", "vsurge.engines.vengine"),
-        ("vsurge.router.app", "vsurge.engines.vengine"),
+        ("vsurge.models.llama", "vsurge.engines.dense.vengine"),
+        ("vsurge.router.app", "vsurge.engines.dense.vengine"),
         ("vsurge.server.app", "vsurge.router.app"),
     ]
 

@@ -7,7 +7,8 @@ order, and docs/architecture.md's list of layers against these names.
 2. structured - grammars and token masks for structured output (`structured/`).
 3. models     - model definitions, loaders, sources, attention kernels, and the compiled programs kept
                 across starts: JAX's compilation cache, the executable store (`models/`, `models/compiled/`).
-4. engines    - the jitted programs over a model's state (`engines/`, and resolved_config, which asks them).
+4. engines    - the jitted programs over a model's state (`engines/`: dense/ vEngine,
+                paged/ oEngine, sampling/ the sampler; at its root what both share, and resolved_config).
 5. drivers    - the threads that feed the engines: pipeline, slots, detokenizer (`drivers/`).
 6. surge      - vSurge: the engine a server talks to (`surge.py`).
 7. server, multihost - the HTTP server; a multi-host slice's lockstep lane (both over surge).
@@ -40,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("structured", ("vsurge.structured",)),
     ("models", ("vsurge.models",)),
-    ("engines", ("vsurge.engines", "vsurge.resolved_config")),
+    ("engines", ("vsurge.engines",)),
     ("drivers", ("vsurge.drivers",)),
     ("surge", ("vsurge.surge",)),
     ("server/multihost", ("vsurge.server", "vsurge.multihost")),

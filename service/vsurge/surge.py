@@ -23,10 +23,10 @@ from .contracts.sampling_params import SamplingParams
 from .contracts.stream_steps import ends_inside_character, merge_steps
 from .drivers import switch_interval
 from .drivers.active_request import ActiveRequest, ReturnChannel
+from .drivers.dense.vdriver import vDriver
 from .drivers.detokenize import make_decode_fn
 from .drivers.metrics import DriverMetrics, RequestStats
-from .drivers.vdriver import vDriver
-from .engines.vengine import vEngine
+from .engines.dense.vengine import vEngine
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ class Surge:
         instead of new ones."""
         config = config.replace(mesh=_as_mesh(config.mesh))
         if config.driver == "odriver":
-            from .drivers.odriver import oDriver
-            from .engines.oengine import oEngine
+            from .drivers.paged.odriver import oDriver
+            from .engines.paged.oengine import oEngine
 
             engine = oEngine(model, processor, storage, manager, config=config)
             driver = oDriver(

@@ -37,8 +37,8 @@ def test_limit_and_seed(data: bytes, block: int, limit: int) -> None:
 
 def test_token_prompts_share_router_keys_exactly_when_they_share_engine_pages() -> None:
     """The router's hash of a token-id prompt, with blocks of 4 x page_size bytes, splits where the paged
-    engine's page keys split (engines/paging.page_hashes)."""
-    from vsurge.engines.paging import page_hashes
+    engine's page keys split (engines/paged/paging.page_hashes)."""
+    from vsurge.engines.paged.paging import page_hashes
 
     page = 4
     base = list(range(40))

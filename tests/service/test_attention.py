@@ -183,7 +183,7 @@ def test_rows_read_in_sorted_groups_match_softmax(s, spread, reader):
 def test_verify_rows_read_in_sorted_groups_match_softmax(reader):
     # The verify step's attention (T new tokens per row) reads the same way: token t of row r sees the
     # row's cache up to its own position, the new tokens before it included; idle rows read nothing.
-    from vsurge.engines.spec_verify import DenseVerifyAttention
+    from vsurge.engines.dense.spec_verify import DenseVerifyAttention
 
     rng = np.random.default_rng(3)
     s, m, t, kvh, g, d = 12, 90, 3, 2, 2, 8

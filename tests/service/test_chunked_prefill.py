@@ -7,8 +7,8 @@ import torch
 
 import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
+from vsurge.engines.dense.vengine import vEngine
 from vsurge.engines.sampling import sample_jit
-from vsurge.engines.vengine import vEngine
 from vsurge.models import greedy_generate
 
 MAX_LEN = 160

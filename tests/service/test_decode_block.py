@@ -12,9 +12,9 @@ from vsurge import vSurge
 from vsurge.contracts.engine_config import EngineConfig
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
-from vsurge.drivers.lanes import FirstToken, PrefilledPack
+from vsurge.drivers.dense.transfer import transfer_group
 from vsurge.drivers.pipeline import drain
-from vsurge.drivers.transfer import transfer_group
+from vsurge.drivers.queue_messages import FirstToken, PrefilledPack
 from vsurge.models import greedy_generate
 from vsurge.seed.request import vSurgeRequest
 

@@ -1,5 +1,5 @@
 """vDriver's mixed step (``max_num_batched_tokens`` set): prompts prefilled in place, chunk by chunk, inside the
-decode steps of the dense engine (engines/dense_mixed.py, drivers/inplace_prefill.py).
+decode steps of the dense engine (engines/dense/mixed_step.py, drivers/dense/inplace_prefill.py).
 
 * the planner: shapes within the budget, the shape that carries the most, oldest prompts first;
 * the engine: prompts written chunk by chunk beside a decoding row, then seated, decode exactly as
@@ -21,7 +21,7 @@ import pytest
 
 from vsurge import vSurge
 from vsurge.contracts.sampling_params import SamplingParams
-from vsurge.engines.dense_mixed import Chunk, plan_chunks, step_shapes
+from vsurge.engines.dense.mixed_step import Chunk, plan_chunks, step_shapes
 from vsurge.models import greedy_generate
 from vsurge.seed.request import vSurgeRequest
 
@@ -117,7 +117,7 @@ def test_plan_chunks_takes_the_shape_that_carries_most_oldest_first():
 def test_prompts_written_in_place_decode_like_the_reference(tiny):
     # Slot 1 decodes (inserted the usual way) while a 50-token prompt goes into slot 0 over several steps
     # and a 3-token prompt into slot 3; all three continue exactly as greedy generation alone.
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.vengine import vEngine
 
     model, tok = tiny
     engine = vEngine(

@@ -1,4 +1,4 @@
-"""The drivers' structure (issue 12): one pipeline by composition, typed lane messages, declared request
+"""The drivers' structure (issue 12): one pipeline by composition, typed queue messages, declared request
 state. Behaviour is covered by test_vsurge.py / test_odriver.py; these fail if the structure regresses."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import inspect
 import pytest
 
 from vsurge.contracts.sampling_params import SamplingParams
-from vsurge.drivers import dense_slots, lanes, odriver, pipeline, vdriver
+from vsurge.drivers import pipeline, queue_messages
 from vsurge.drivers.active_request import ActiveRequest
+from vsurge.drivers.dense import slot_scheduler, vdriver
+from vsurge.drivers.paged import odriver
 
 STEPPER_METHODS = [
     name for name, _ in inspect.getmembers(pipeline.Stepper, inspect.isfunction) if not name.startswith("_")
@@ -35,13 +37,13 @@ def test_each_driver_supplies_a_complete_stepper(stepper):
         assert list(ours.parameters) == list(theirs.parameters), name
 
 
-def test_lane_messages_are_typed_dataclasses():
+def test_queue_messages_are_typed_dataclasses():
     for name in ("PrefilledPack", "Prefilled", "Prepared", "FirstToken", "Step", "Abort", "Preempt"):
-        cls = getattr(lanes, name)
+        cls = getattr(queue_messages, name)
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, name
-    owner = dense_slots.SlotOwner(ActiveRequest([1, 2], SamplingParams(max_tokens=1)), 0, 3)
-    assert lanes.requests_of(lanes.FirstToken(owner, None)) == [owner.req]
-    assert lanes.requests_of(lanes.Step(None, [None, owner, owner])) == [owner.req]
+    owner = slot_scheduler.SlotOwner(ActiveRequest([1, 2], SamplingParams(max_tokens=1)), 0, 3)
+    assert queue_messages.requests_of(queue_messages.FirstToken(owner, None)) == [owner.req]
+    assert queue_messages.requests_of(queue_messages.Step(None, [None, owner, owner])) == [owner.req]
 
 
 def test_active_request_declares_all_of_its_state():

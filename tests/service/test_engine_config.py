@@ -176,7 +176,7 @@ def tiny(tiny_checkpoint):
 
 def test_engines_take_a_config_and_keywords(tiny):
     from vsurge import vSurge
-    from vsurge.engines.paging import bytes_per_page
+    from vsurge.engines.paged.paging import bytes_per_page
 
     model, tok = tiny
     cfg = EngineConfig(max_concurrent_decodes=3, max_length=96, prefill_lengths=(16, 32), seed=5)

@@ -274,7 +274,7 @@ def test_a_second_process_reads_its_programs_and_decodes_the_same(tiny_checkpoin
     assert warm["executables"]["queued"] == unkept
     assert all("logprobs" in name for name in warm["pool"]), warm["pool"]
     # JAX's own cache holds no second copy of a kept program (on CPU the inserts and first-token
-    # samplers compile on their first run, outside the pool: dense_warmup.compile_engine)
+    # samplers compile on their first run, outside the pool: dense/warmup.compile_engine)
     jax_entries = [p.name for p in (tmp_path / "jax").iterdir()]
     assert any(n.startswith("jit__insert_impl-") for n in jax_entries)
     for kept_program in ("_decode_impl", "_prefill_layer_impl", "_prefill_embed_impl", "_chunk_layer_impl"):

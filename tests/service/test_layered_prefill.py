@@ -1,5 +1,5 @@
 """vEngine's prefill as a chain of programs (embed, one program per decoder layer, finish) and the chunk
-program as one too (engines/layered_prefill.py, engines/layered_chunk.py): the same hidden states and K/V
+program as one too (engines/dense/layered_prefill.py, engines/layered_chunk.py): the same hidden states and K/V
 as the model's own forward over the whole stack, one compiled layer program for every layer, the chain
 dispatched under the engine's dispatch lock, and the compile pool starting with the slowest programs."""
 
@@ -14,8 +14,8 @@ import pytest
 
 import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
-from vsurge.engines.dense_warmup import longest_first, program_jobs
-from vsurge.engines.vengine import vEngine
+from vsurge.engines.dense.vengine import vEngine
+from vsurge.engines.dense.warmup import longest_first, program_jobs
 from vsurge.models.attention import ChunkAttention, PrefillAttention
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -149,8 +149,8 @@ def test_a_serving_vsurge_hands_the_gil_over_sooner(tiny):
 def test_prompt_masks_packed_on_the_host_are_the_prompts_tokens():
     """`prompt_mask_words` unpacked on the device marks exactly each prompt's tokens (bit 31 included:
     the sign bit of an i32 word), rows past the prompts empty."""
-    from vsurge.engines.sampling_penalties import unpack_token_mask
-    from vsurge.engines.sampling_state import prompt_mask_words
+    from vsurge.engines.sampling.penalties import unpack_token_mask
+    from vsurge.engines.sampling.state import prompt_mask_words
 
     vocab = 100
     prompts = [[0, 31, 32, 99, 31], [63, 64], [5]]

@@ -24,7 +24,7 @@ from vsurge import vSurge
 VARIANTS = {
     "blocks": ("vdriver", {"decode_steps": 4}),  # 11 tokens after the first: rows finish inside a block
     "ngram": ("vdriver", {"speculative": "ngram", "num_speculative_tokens": 3}),
-    # 40 tokens at 4 rows: steps of one 32-token chunk or four 8-token chunks (dense_mixed.step_shapes)
+    # 40 tokens at 4 rows: steps of one 32-token chunk or four 8-token chunks (dense/mixed_step.step_shapes)
     "mixed": ("vdriver", {"max_num_batched_tokens": 40}),
     "tp2": ("vdriver", {"mesh": "tp=2"}),
     "dp2-tp2": ("vdriver", {"mesh": "dp=2,tp=2"}),

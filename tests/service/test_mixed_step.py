@@ -19,10 +19,10 @@ import pytest
 import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.contracts.token_budget import TokenBudget
-from vsurge.engines.mixed_step import ChunkWork
-from vsurge.engines.oengine import oEngine
-from vsurge.engines.page_scheduler import PageScheduler, Seq, plan_chunks
-from vsurge.engines.paging import HBMPageManager, bytes_per_page, page_hashes
+from vsurge.drivers.paged.page_scheduler import PageScheduler, Seq
+from vsurge.engines.paged.mixed_step import ChunkWork, plan_chunks
+from vsurge.engines.paged.oengine import oEngine
+from vsurge.engines.paged.paging import HBMPageManager, bytes_per_page, page_hashes
 from vsurge.models import greedy_generate
 from vsurge.models.paged_attention import ragged_paged_attention_xla
 
@@ -215,7 +215,7 @@ def test_mixed_step_greedy_equals_single_request_generation(engine, prompts, exp
 def surge(engine):
     """oDriver over the module's engine (its programs are compiled once); after the engine-level tests."""
     from vsurge import vSurge
-    from vsurge.drivers.odriver import oDriver
+    from vsurge.drivers.paged.odriver import oDriver
 
     s = vSurge(oDriver(engine))
     s.start()

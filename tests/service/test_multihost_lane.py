@@ -220,7 +220,7 @@ def test_mixed_steps_verify_steps_and_masked_steps_replay_exactly(tiny):
     """vDriver's in-place prefill (mixed.step, mixed.seat), an n-gram verify step and a structured step
     (decode_logits, then decode_sample under a token mask), each called through the lane as the driver
     calls them: the worker's state after each is the leader's, leaf for leaf."""
-    from vsurge.engines.dense_mixed import Chunk
+    from vsurge.engines.dense.mixed_step import Chunk
 
     model, tok, _ = tiny
     pair = Pair(model, tok)
@@ -258,7 +258,7 @@ def test_paged_masked_steps_replay_exactly(tiny):
     """oDriver's structured step through the lane as the driver calls it: step_logits, then step_sample
     with a constrained final chunk's first-token mask, then a decode step under the rows' mask; the
     worker's state after each is the leader's, and the tokens keep to their masks."""
-    from vsurge.engines.mixed_step import ChunkWork
+    from vsurge.engines.paged.mixed_step import ChunkWork
 
     model, tok, _ = tiny
     pair = Pair(model, tok)

@@ -35,7 +35,7 @@ def _roundtrip(value):
 
 
 def test_values_cross_the_lane_as_they_left():
-    from vsurge.engines.dense_mixed import Chunk
+    from vsurge.engines.dense.mixed_step import Chunk
 
     arrays = [
         np.arange(6).astype(d).reshape(2, 3)

@@ -1,5 +1,5 @@
-"""The host side of n-gram speculation in vDriver (drivers/ngram_drafts.py) and the verify-or-decode gate
-(engines/speculative.py: expected_accepted, worth_verifying): pure code, tables."""
+"""The host side of n-gram speculation in vDriver (drivers/dense/ngram_drafts.py) and the verify-or-decode gate
+(engines/dense/speculative.py: expected_accepted, worth_verifying): pure code, tables."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.contracts.token_budget import TokenBudget
-from vsurge.drivers.ngram_drafts import P_RIGHT_WEIGHT, NgramDrafts, may_speculate
-from vsurge.engines.speculative import expected_accepted, worth_verifying
+from vsurge.drivers.dense.ngram_drafts import P_RIGHT_WEIGHT, NgramDrafts, may_speculate
+from vsurge.engines.dense.speculative import expected_accepted, worth_verifying
 
 
 def _budget(prompt: list[int], params: SamplingParams, max_length: int) -> TokenBudget:

@@ -20,7 +20,7 @@ from test_odriver import SMALL, ids_request, reference, tokens_of
 
 import vsurge
 from vsurge import vSurge
-from vsurge.engines.paging import bytes_per_page
+from vsurge.engines.paged.paging import bytes_per_page
 from vsurge.structured import GrammarCompiler, GrammarSpec
 
 REGEX = r"[0-9]{3}-[a-z]{2,5}( ok)?"

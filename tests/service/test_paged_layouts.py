@@ -20,9 +20,9 @@ from paged_greedy import greedy_steps, greedy_tokens, sharp_checkpoint
 
 import vsurge
 from vsurge import vSurge
-from vsurge.engines.kernel_fallback import check_kernel
-from vsurge.engines.oengine import oEngine
-from vsurge.engines.paging import PagedAttentionCache, bytes_per_page
+from vsurge.engines.paged.kernel_fallback import check_kernel
+from vsurge.engines.paged.oengine import oEngine
+from vsurge.engines.paged.paging import PagedAttentionCache, bytes_per_page
 from vsurge.models import greedy_generate
 from vsurge.models import pallas_sharded as ps
 from vsurge.models.kv_layout import fit_kv, kv_layout
@@ -87,7 +87,7 @@ def test_the_pages_cost_the_padded_bytes(caplog):
         cfg, 16, kv_cache_bytes=budget, dtype=jnp.bfloat16, mesh=make_mesh("tp=4")
     )
     ps.configure("pallas", make_mesh("tp=4"), cfg, jnp.bfloat16)
-    with caplog.at_level(logging.INFO, logger="vsurge.engines.paging"):
+    with caplog.at_level(logging.INFO, logger="vsurge.engines.paged.paging"):
         padded = PagedAttentionCache.create(
             cfg, 16, kv_cache_bytes=budget, dtype=jnp.bfloat16, mesh=make_mesh("tp=4")
         )

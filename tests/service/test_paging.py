@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from vsurge.contracts.token_budget import TokenBudget
-from vsurge.engines.page_scheduler import PageScheduler, Seq
-from vsurge.engines.paging import (
+from vsurge.drivers.paged.page_scheduler import PageScheduler, Seq
+from vsurge.engines.paged.paging import (
     DEFAULT_HOST_KV_BYTES,
     HBMPageManager,
     PagedAttentionCache,

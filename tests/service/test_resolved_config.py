@@ -4,8 +4,8 @@ import json
 
 from vsurge.cli.main import main
 from vsurge.contracts.engine_config import EngineConfig
+from vsurge.engines.resolved_config import resolve
 from vsurge.models.config import ModelConfig
-from vsurge.resolved_config import resolve
 
 
 def _by_name(rows):

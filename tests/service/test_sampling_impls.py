@@ -13,18 +13,18 @@ import pytest
 
 from vsurge.contracts.sampling_params import SamplingParams as SP
 from vsurge.engines import sampling as smp
-from vsurge.engines import sampling_filters as filt
-from vsurge.engines import sampling_ops as ops
-from vsurge.engines import sampling_penalties as pens
 from vsurge.engines.sampling import (
     SampleResult,
     make_slot_sampling,
+    ops,
     prompt_mask_from_tokens,
     sample,
     sample_jit,
     seed_key_data,
     update_counts,
 )
+from vsurge.engines.sampling import filters as filt
+from vsurge.engines.sampling import penalties as pens
 
 S = 16
 V = 4096

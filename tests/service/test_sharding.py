@@ -83,10 +83,10 @@ def test_placement_reads_each_devices_shard_alone(tiny_checkpoint):
 
 
 def test_dense_engine_says_when_kv_heads_do_not_split(tiny_checkpoint, caplog):
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.vengine import vEngine
 
     path, _ = tiny_checkpoint("llama", heads=8, kv_heads=2)
     model, tok = vsurge.load_model(path, mesh="tp=4")
-    with caplog.at_level("WARNING", logger="vsurge.engines.vengine"):
+    with caplog.at_level("WARNING", logger="vsurge.engines.dense.vengine"):
         vEngine(model, tok, max_concurrent_decodes=2, prefill_lengths=[32], max_length=64, mesh="tp=4")
     assert "2 kv heads do not split over tp=4" in caplog.text

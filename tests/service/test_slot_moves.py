@@ -1,4 +1,4 @@
-"""Live slots moved down so that decode covers fewer rows (engines/slot_moves.py, vDriver's `_compact`).
+"""Live slots moved down so that decode covers fewer rows (engines/dense/slot_moves.py, vDriver's `_compact`).
 
 * the planner: the smallest bucket that holds every slot in use, pinned slots stay, no move that would not
   shrink the bucket;
@@ -18,7 +18,7 @@ import pytest
 
 from vsurge import vSurge
 from vsurge.contracts.sampling_params import SamplingParams
-from vsurge.engines.slot_moves import plan_moves
+from vsurge.engines.dense.slot_moves import plan_moves
 from vsurge.models import greedy_generate
 from vsurge.seed.request import vSurgeRequest
 
@@ -63,7 +63,7 @@ def test_plan_moves_brings_the_live_slots_under_the_smallest_bucket():
 
 # ------------------------------------------------------------------------------------------ engine
 def test_a_moved_slot_decodes_on_like_the_reference(tiny_llama):
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.vengine import vEngine
 
     model, tok = tiny_llama
     engine = vEngine(model, tok, max_concurrent_decodes=8, prefill_lengths=BUCKETS, max_length=MAX_LEN)

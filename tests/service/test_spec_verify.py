@@ -1,4 +1,4 @@
-"""The verify step of n-gram speculative decoding on vEngine (engines/spec_verify.py), on a tiny random
+"""The verify step of n-gram speculative decoding on vEngine (engines/dense/spec_verify.py), on a tiny random
 llama: K+1 tokens per row in one call give exactly the tokens of plain greedy decoding, rows without a
 draft (here: top_k sampling) decode exactly as in an ordinary step, and the drafts do get accepted."""
 
@@ -9,9 +9,9 @@ import pytest
 
 import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
-from vsurge.engines.spec_verify import SpeculativeVerifier, plain_sampling
-from vsurge.engines.speculative import propose_ngram_batch
-from vsurge.engines.vengine import vEngine
+from vsurge.engines.dense.spec_verify import SpeculativeVerifier, plain_sampling
+from vsurge.engines.dense.speculative import propose_ngram_batch
+from vsurge.engines.dense.vengine import vEngine
 
 SLOTS, K, OUT = 4, 3, 40
 PROMPTS = [

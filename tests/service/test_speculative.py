@@ -1,4 +1,4 @@
-"""n-gram speculative decoding (vsurge.engines.speculative): the prompt-lookup proposer, greedy exactness
+"""n-gram speculative decoding (vsurge.engines.dense.speculative): the prompt-lookup proposer, greedy exactness
 of the verification against plain greedy decoding, and that rejection sampling keeps the target's
 distribution (chi-square against the exact probabilities, fixed seeds)."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from vsurge.engines.dense.speculative import propose_ngram, propose_ngram_batch, verify_jit
 from vsurge.engines.sampling import seed_key_data
-from vsurge.engines.speculative import propose_ngram, propose_ngram_batch, verify_jit
 
 # ------------------------------------------------------------------------------------------- proposer
 

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from vsurge.engines.oengine import PagedState, oEngine
+from vsurge.engines.dense.vengine import GenerationState, vEngine
+from vsurge.engines.paged.oengine import PagedState, oEngine
 from vsurge.engines.program_inventory import Program, programs, state_spec
-from vsurge.engines.vengine import GenerationState, vEngine
 from vsurge.models import kernel_tables as kt
 from vsurge.models import pallas_sharded as ps
 from vsurge.models import tpu_lowering as tl
@@ -303,9 +303,9 @@ def test_the_checks_see_the_cpu_forms(monkeypatch):
 
 
 def test_the_target_backend_is_the_lowering_context():
+    from vsurge.engines.dense.vengine import resolve_decode_steps
     from vsurge.engines.engine_base import default_prefill_lengths, row_buckets
-    from vsurge.engines.sampling_ops import sampler_impl
-    from vsurge.engines.vengine import resolve_decode_steps
+    from vsurge.engines.sampling.ops import sampler_impl
     from vsurge.models.attention import dense_reader
     from vsurge.models.loader import resolve_dtype
     from vsurge.models.quantization import groups_for

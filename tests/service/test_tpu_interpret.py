@@ -21,7 +21,7 @@ from paged_greedy import greedy_steps, sharp_checkpoint
 import vsurge
 from vsurge.cli.main import parse_serve_config
 from vsurge.contracts.engine_config import EngineConfig
-from vsurge.engines.oengine import oEngine
+from vsurge.engines.paged.oengine import oEngine
 from vsurge.models import pallas_sharded as ps
 from vsurge.models.paged_attention import (
     PagedDecodeAttention,

@@ -153,8 +153,8 @@ def test_engine_mixed_step_programs_lower_for_tpu(tiny_checkpoint, spec):
     own mixed-step programs (decode only and with chunk tokens: both kernel shape classes) exported for
     it, the model around the kernel included. How the engine's whole start can be lowered in CI."""
     import vsurge
-    from vsurge.engines.kernel_fallback import abstract_step_args
-    from vsurge.engines.oengine import oEngine
+    from vsurge.engines.paged.kernel_fallback import abstract_step_args
+    from vsurge.engines.paged.oengine import oEngine
 
     model, tok = vsurge.load_model(tiny_checkpoint("llama", heads=8, kv_heads=2, head_dim=64)[0])
     with tl.targeting("v5e", spec):

@@ -289,8 +289,8 @@ def test_interleaved_mode_serves(tiny):
 def test_disaggregated_prefill_and_decode_on_separate_devices(tiny_checkpoint):
     import jax
 
-    from vsurge.drivers.vdriver import vDriver
-    from vsurge.engines.vengine import vEngine
+    from vsurge.drivers.dense.vdriver import vDriver
+    from vsurge.engines.dense.vengine import vEngine
     from vsurge.models.sharding import make_mesh
 
     path, _ = tiny_checkpoint("llama", heads=8, kv_heads=4)
@@ -427,7 +427,7 @@ class _CountingEngine:
 
     @staticmethod
     def build(model, tok, **kw):
-        from vsurge.engines.vengine import vEngine
+        from vsurge.engines.dense.vengine import vEngine
 
         class Counting(vEngine):
             steps = 0
@@ -448,7 +448,7 @@ def test_a_slot_runs_no_step_past_its_last_token(tiny, speculative):
     """max_tokens is known on the host: the step thread frees a slot the step its last token is
     dispatched, without waiting for the detokenizer (which lags by the steps in flight), so a request of
     N tokens costs N - 1 decode steps (the first comes from prefill) and no more."""
-    from vsurge.drivers.vdriver import vDriver
+    from vsurge.drivers.dense.vdriver import vDriver
 
     model, tok = tiny
     kw = dict(max_concurrent_decodes=2, prefill_lengths=[16], max_length=MAX_LEN)
@@ -498,7 +498,7 @@ def _engine_greedy(engine, prefix, entries, steps):
 def test_packed_prefill_equals_reference(tiny):
     # Several prompts prefilled in one call, packed one after another in one bucket: each entry's cache
     # and first token are its own prompt's, whatever its neighbours are.
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.vengine import vEngine
 
     model, tok = tiny
     engine = vEngine(model, tok, max_concurrent_decodes=4, prefill_lengths=[16, 64], max_length=MAX_LEN)
@@ -516,7 +516,7 @@ def test_packed_prefill_equals_reference(tiny):
 def test_multi_row_prefill_equals_reference(tiny):
     # Prompts beyond one row's tokens go into rows of prefill_pack_tokens, each row its own attention,
     # first fit: every entry's cache and first token are still its own prompt's.
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.vengine import vEngine
 
     model, tok = tiny
     engine = vEngine(
@@ -560,7 +560,7 @@ def test_multi_row_prefill_equals_reference(tiny):
 def test_first_sampled_before_insert_continues_like_insert(tiny):
     # sample_first then insert(first=) must give the tokens insert alone gives, for sampled requests too:
     # the same key draws the first token, and the slot's sampler stream goes on from it.
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.vengine import vEngine
 
     model, tok = tiny
     engine = vEngine(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=MAX_LEN)
@@ -590,7 +590,7 @@ def test_first_sampled_before_insert_continues_like_insert(tiny):
 def test_long_rows_cross_decode_chunks_exactly(tiny):
     # Decode reads the cache in chunks of 128 up to the longest live row; with max_length 300 the third
     # chunk is shifted back to fit. A 250-token prompt decoded past position 256 beside a short one.
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.vengine import vEngine
 
     model, tok = tiny
     engine = vEngine(model, tok, max_concurrent_decodes=2, prefill_lengths=[64, 256], max_length=300)
@@ -605,7 +605,7 @@ def test_bfloat16_kv_cache_decodes_within_bfloat16_rounding(tiny):
     # kv_cache_dtype=bfloat16 keeps the dense cache as bfloat16 bits (half the bytes a step reads): each
     # step's logits stay within bfloat16 rounding of the float32 cache's, and are not identical to them
     # (the rounding is really there).
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.vengine import vEngine
     from vsurge.models.attention import KV_BITS, kv_load, kv_store
 
     x = np.random.RandomState(0).standard_normal((4, 64)).astype(np.float32)
@@ -650,7 +650,7 @@ def test_bfloat16_prefill_matches_float32_within_rounding(tiny):
     # activations stay float32: the prompt's K/V and last hidden state keep the model's dtype, close to
     # the float32 prefill's; decode keeps the float32 weights; a driver built that way serves a burst of
     # requests to their lengths.
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.vengine import vEngine
 
     model, tok = tiny
     kw = dict(max_concurrent_decodes=4, prefill_lengths=[64], max_length=MAX_LEN)
@@ -688,8 +688,8 @@ def test_bfloat16_decode_runs_from_eight_rows_within_rounding(tiny):
     # decode_dtype=bfloat16: decode steps of BF16_DECODE_MIN_ROWS rows or more run on the bfloat16 copy,
     # smaller ones on the float32 weights (XLA:CPU's bfloat16 matrix-vector path is slow). One live row:
     # the same logits as a float32 engine; a row in slot 7 (the 8-row step): close, not equal.
-    from vsurge.engines.bf16_weights import BF16_DECODE_MIN_ROWS
-    from vsurge.engines.vengine import vEngine
+    from vsurge.engines.dense.bf16_weights import BF16_DECODE_MIN_ROWS
+    from vsurge.engines.dense.vengine import vEngine
 
     model, tok = tiny
     kw = dict(max_concurrent_decodes=8, prefill_lengths=[64], max_length=MAX_LEN)
@@ -757,7 +757,7 @@ def test_driver_packs_waiting_prompts_into_one_prefill(tiny):
 def test_driver_prefills_a_queue_in_full_rows(tiny):
     # Prompts that queue up beyond one row's tokens go into one call of several rows, each row full: the
     # prompts of a row that would only pad the call to the next compiled row count wait for the next call.
-    from vsurge.engines.prefill_rows import rows_needed
+    from vsurge.engines.dense.prefill_rows import rows_needed
 
     model, tok = tiny
     s = vSurge.create_vdriver(
@@ -817,7 +817,7 @@ def test_prefill_lingers_for_a_burst_then_not(tiny, monkeypatch):
     # Clients that submit together arrive some ms apart: an idle driver's prefill call keeps taking
     # prompts while each arrives within PREFILL_GAP_S of the last, so the burst is prefilled in one call
     # and decodes as one cohort; a prompt that comes after a longer pause goes in a call of its own.
-    from vsurge.drivers import vdriver
+    from vsurge.drivers.dense import vdriver
 
     # wide bounds, so a loaded machine's scheduling jitter cannot split the burst
     monkeypatch.setattr(vdriver, "PREFILL_GAP_S", 0.3)
@@ -852,7 +852,7 @@ def test_busy_driver_prefills_in_smaller_calls(tiny, monkeypatch):
     # While a stream decodes, a prefill call holds at most BUSY_PREFILL_PROMPTS prompts (a call's prompts
     # see their first token only when the whole call is done); an idle driver takes a queue like this in
     # one call (test_prefill_lingers_for_a_burst_then_not).
-    from vsurge.drivers import vdriver
+    from vsurge.drivers.dense import vdriver
 
     monkeypatch.setattr(vdriver, "BUSY_PREFILL_PROMPTS", 2)
     model, tok = tiny
@@ -909,7 +909,7 @@ def test_no_compilation_on_live_requests(tiny, dtypes):
     s.compile()
     # start-up's parallel pool compiled each of its programs with the signature live calls use: nothing it
     # compiled compiles again after it (on TPU the pool also holds insert and the first-token samplers;
-    # on CPU those compile on their first run: dense_warmup.compile_engine)
+    # on CPU those compile on their first run: dense/warmup.compile_engine)
     report = s.driver.engines[0].compile_report
     late = {name for name, _ in report["after_pool"]}
     assert not late & set(report["pool"]), report

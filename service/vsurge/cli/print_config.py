@@ -52,11 +52,11 @@ def sizing_rows(cfg: Any, model_config: Any, devices: list[Any], rows: list[Any]
 
 
 def print_config(cfg: Any) -> int:
-    """Print `cfg`'s engine knobs resolved for this machine's backend (vsurge.resolved_config), with the
+    """Print `cfg`'s engine knobs resolved for this machine's backend (vsurge.engines.resolved_config), with the
     slots and context serve sizes from the device's memory."""
     import jax
 
-    from vsurge.resolved_config import Resolved, format_resolved, resolve
+    from vsurge.engines.resolved_config import Resolved, format_resolved, resolve
 
     backend = jax.default_backend()
     devices = jax.devices()

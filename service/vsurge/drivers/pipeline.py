@@ -33,8 +33,8 @@ import numpy as np
 
 from ..contracts.request import QueueFullError
 from .active_request import ActiveRequest
-from .lanes import STOP, Abort, FirstToken, Preempt, Step, requests_of
 from .metrics import MetricsRecorder
+from .queue_messages import STOP, Abort, FirstToken, Preempt, Step, requests_of
 from .step_timing import StepClock
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 A driver's threads (prefill, transfer, generate, detokenize, the server's event loop) share one GIL, and
 each device call releases it: the calling thread then waits for it until the holder releases it or the
 interpreter's switch interval (5 ms by default) runs out. A prefill dispatches a chain of programs (one
-per decoder layer, engines/layered_prefill.py), so with the detokenize thread busy the waits added up to
+per decoder layer, engines/dense/layered_prefill.py), so with the detokenize thread busy the waits added up to
 tens of milliseconds of a request's first token on a TPU (the 1B shape's mixed workload on a v5e: TTFT
 p50 0.17 s with one prefill program, 0.25 s with the chain). A shorter interval bounds each wait; the
 price is a few more switches a second between busy threads.

@@ -12,7 +12,7 @@ from flax import nnx
 
 from ..models.attention import ChunkAttention
 from .aot_program import program
-from .dense_run_once import abstract
+from .dense.run_once import abstract
 
 __all__ = ["LayeredChunk", "placed"]
 

@@ -7,10 +7,10 @@ passes them (numpy, uncommitted arrays: no sharding). So `programs` works on an 
 abstract too (`models.loader.abstract_model`): built inside `tpu_lowering.targeting`, at any model size on
 any machine, its programs lower as that TPU pod compiles them (tests/service/test_tpu_export.py).
 
-vEngine: `dense_warmup.program_jobs` (what compile() compiles in parallel), then what compile() compiles
+vEngine: `dense/warmup.program_jobs` (what compile() compiles in parallel), then what compile() compiles
 by running it once (insert from every prefill shape, a chunked prefill's prefix, the first-token
-samplers) and `dense_warmup.structured_jobs` (what `warm_structured` adds). oEngine:
-`paged_programs.program_jobs`, then `paged_structured.structured_jobs` (what its `warm_structured` adds).
+samplers) and `dense/warmup.structured_jobs` (what `warm_structured` adds). oEngine:
+`paged/programs.program_jobs`, then `paged/structured_output.structured_jobs` (what its `warm_structured` adds).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ import jax
 import numpy as np
 
 from ..models.tpu_lowering import on_target
-from .dense_run_once import GREEDY, Prefixes, abstract, long_prefix_args, run_once_jobs
-from .dense_run_once import sds as _sds
-from .dense_warmup import chained, structured_jobs
-from .dense_warmup import program_jobs as dense_jobs
-from .oengine import PagedState, oEngine
-from .paged_programs import program_jobs as paged_jobs
-from .paged_programs import sampler_rows
-from .paged_structured import structured_jobs as paged_structured_jobs
+from .dense.run_once import GREEDY, Prefixes, abstract, long_prefix_args, run_once_jobs
+from .dense.run_once import sds as _sds
+from .dense.vengine import GenerationState
+from .dense.warmup import chained, structured_jobs
+from .dense.warmup import program_jobs as dense_jobs
+from .paged.oengine import PagedState, oEngine
+from .paged.programs import program_jobs as paged_jobs
+from .paged.programs import sampler_rows
+from .paged.structured_output import structured_jobs as paged_structured_jobs
 from .sampling import DEFAULT_MAX_STOP_IDS, make_slot_sampling
-from .vengine import GenerationState
 
 __all__ = ["Program", "abstract", "programs", "state_spec"]
 

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from ..contracts.sampling_params import SamplingParams
-from .mixed_step import ChunkWork
+from .paged.mixed_step import ChunkWork
 from .seed_layer import SeedEngineLayer, host_key
 from .seed_prefix import PagedPrefix, insert_prefixes, prefill_prefix
 from .seed_types import ModelOutputBatch, NextIterationPlan, ResultTokens

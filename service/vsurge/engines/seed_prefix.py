@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..contracts.sampling_params import SamplingParams
-from .mixed_step import ChunkWork
-from .page_scheduler import plan_chunks
+from .paged.mixed_step import ChunkWork, plan_chunks
 from .seed_dense import prompt_ids
 from .seed_layer import host_key
 from .seed_types import ResultTokens

@@ -387,7 +387,7 @@ class DenseDecodeAttention:
 @dataclasses.dataclass(frozen=True)
 class DenseMixedAttention:
     """A decode step's rows and prompts' chunks in one forward, against the dense cache K, V [S, M, KVH * D]
-    (vEngine's mixed step, engines/dense_mixed.py).
+    (vEngine's mixed step, engines/dense/mixed_step.py).
 
     q [1, R + K*C, H, D]: first the next token of each of the first R slots (as `DenseDecodeAttention`),
     then K chunks of C tokens, chunk k for slot ``slots[k]`` at positions ``starts[k]`` onwards, of which

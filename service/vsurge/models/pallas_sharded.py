@@ -1,7 +1,7 @@
 """The Pallas TPU ragged paged attention kernel inside ``shard_map``, and which attention backend runs.
 
 Mosaic kernels cannot be partitioned by XLA, so on a mesh every kernel call goes through `shard_map` with
-explicit specs that match where the engine keeps its arrays (models/sharding.py, engines/paging.py):
+explicit specs that match where the engine keeps its arrays (models/sharding.py, engines/paged/paging.py):
 
 * KV pages ``[num_pages, page_size, 2 * kv_heads, head_dim]`` (the combined layout): heads over ``tp``,
   whole over ``dp``; queries ``[tokens, heads, head_dim]``: heads over ``tp``. Each ``tp`` shard holds
@@ -27,7 +27,7 @@ is built; the traced programs read the setting (one attention setting per proces
 ``VSURGE_PALLAS_KERNEL`` (mosaic, interpret, reference) forces the implementation on the kernel path: e.g.
 the reference on a TPU, to compare the chip's kernel with it, or mosaic off TPU, where it cannot compile
 (the engine's compile-failure fallback is tested that way). If the kernel's programs fail to lower or
-compile at start, the engine calls `demote` and serves on the pure-JAX path (engines/kernel_fallback.py).
+compile at start, the engine calls `demote` and serves on the pure-JAX path (engines/paged/kernel_fallback.py).
 
 The kernel's block sizes and VMEM limit are always passed (JAX's own lookup reads the local device and
 raises off TPU), from models/kernel_tables.py for the target chip: the TPU being lowered for

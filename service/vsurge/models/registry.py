@@ -7,7 +7,7 @@ A new family is one module (its flax.nnx model) and one registration:
 The model's shape is the engines' contract: ``model.model.embed_tokens`` (token ids to hidden states),
 ``model.model.layers`` (decoder layers of one structure, each ``layer(x, positions, backend, cache, meta,
 lora)``), ``model.model.norm``, ``model(...)`` over the whole stack and ``compute_logits``; vEngine's
-prefill runs the embedding, each layer and the norm as programs of their own (engines/layered_prefill.py).
+prefill runs the embedding, each layer and the norm as programs of their own (engines/dense/layered_prefill.py).
 
 `architecture_for(model_type)` is the one lookup: `ModelConfig.from_hf` (config.json), the GGUF config and
 tensor mapping (`general.architecture` through `gguf_architecture`), `build_model` (the class and the rules)

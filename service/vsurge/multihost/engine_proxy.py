@@ -190,10 +190,10 @@ def worker_setattr(engine: Any, name: str, value: Any) -> None:
 def build_engine(model: Any, processor: Any, config: Any) -> Any:
     """The engine config.driver names, as vSurge.create builds it."""
     if config.driver == "odriver":
-        from ..engines.oengine import oEngine
+        from ..engines.paged.oengine import oEngine
 
         return oEngine(model, processor, config)
-    from ..engines.vengine import vEngine
+    from ..engines.dense.vengine import vEngine
 
     return vEngine(model, processor, config)
 
@@ -216,12 +216,12 @@ def register_records() -> None:
     """The engine's records that cross the lane (wire.RECORDS), by name."""
     from ..contracts.engine_config import EngineConfig
     from ..contracts.sampling_params import SamplingParams
-    from ..engines.dense_mixed import Chunk
-    from ..engines.mixed_step import ChunkWork
-    from ..engines.oengine import PagedState, SeqInputs
+    from ..engines.dense.mixed_step import Chunk
+    from ..engines.dense.spec_verify import VerifyStep
+    from ..engines.dense.vengine import GenerationState, Prefix
+    from ..engines.paged.mixed_step import ChunkWork
+    from ..engines.paged.oengine import PagedState, SeqInputs
     from ..engines.sampling import SampleResult, SlotSampling
-    from ..engines.spec_verify import VerifyStep
-    from ..engines.vengine import GenerationState, Prefix
 
     for cls in (GenerationState, Prefix, PagedState, SeqInputs, SampleResult, SlotSampling, VerifyStep):
         wire.register(cls)

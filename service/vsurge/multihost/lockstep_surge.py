@@ -89,7 +89,7 @@ def leader_surge(
     model: Any, processor: Any, config: Any, lane: LeaderLane, *, name: str | None = None
 ) -> LockstepSurge:
     """The leader's vSurge over a LeaderEngine; the workers get the engine's setup first."""
-    from ..drivers.vdriver import vDriver
+    from ..drivers.dense.vdriver import vDriver
     from ..surge import Surge
 
     engine = build_engine(model, processor, config)
@@ -97,7 +97,7 @@ def leader_surge(
     lane.send_control(ch.ENGINE, engine_setup(engine, config.replace(mesh=spec)))
     proxy = LeaderEngine(engine, lane)
     if config.driver == "odriver":
-        from ..drivers.odriver import oDriver
+        from ..drivers.paged.odriver import oDriver
 
         driver = oDriver(
             proxy, detokenizing_blocks=config.detokenizing_blocks, max_queue_size=config.max_queue_size

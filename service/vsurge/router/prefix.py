@@ -1,6 +1,6 @@
 """Prompt prefixes as chained block hashes, the key of prefix-cache-aware routing (pure).
 
-The paged engine keys its KV pages by chained hashes of `page_size` tokens (`engines/paging.page_hashes`:
+The paged engine keys its KV pages by chained hashes of `page_size` tokens (`engines/paged/paging.page_hashes`:
 key i names tokens[: (i + 1) * page_size] exactly). The router does the same over the prompt as the chat
 template sees it, without tokenizing: hash i names the prompt's first (i + 1) blocks, each `block` bytes
 long, chained with blake2b (128 bits). Two requests share their first k hashes exactly when they share

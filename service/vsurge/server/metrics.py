@@ -333,7 +333,7 @@ class ServerMetrics:
             ["model", "route", "status"],
             registry=r,
         )
-        # what each model's engine resolved to run (vsurge/resolved_config.py): the operator copies it into
+        # what each model's engine resolved to run (vsurge/engines/resolved_config.py): the operator copies it into
         # the InferenceModel's status.engine
         self.engine_info = Gauge(
             "vsurge_engine_info",
@@ -365,7 +365,7 @@ class ServerMetrics:
         with self._lock:
             self._models[name] = surge
         try:
-            from vsurge.resolved_config import running_info
+            from vsurge.engines.resolved_config import running_info
 
             info = running_info(surge)
         except (AttributeError, IndexError):  # a stand-in without a driver's engines (tests)

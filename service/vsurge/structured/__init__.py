@@ -6,7 +6,7 @@ on-device sampler applies before any other logit processing.
 - `compiler` : GrammarCompiler, the llguidance tokenizer of a model, the compile cache, async compile with a
                timeout; GrammarError (a 400 naming the request field);
 - `matcher`  : GrammarMatcher, one request sample's parser state: fills its mask row, accepts tokens;
-- `bitmask`  : the packed mask layout (host side) shared with engines/sampling.py.
+- `bitmask`  : the packed mask layout (host side) shared with engines/sampling/.
 """
 
 from .bitmask import ALL_ALLOWED, allocate_bitmask, bitmask_words, is_allowed

@@ -1,6 +1,6 @@
 """The packed token mask: bit ``t % 32`` of int32 word ``t // 32`` set <=> token t may be sampled.
 
-The layout llguidance (and xgrammar, vLLM) fill; engines/sampling.py unpacks it on device. A row of all
+The layout llguidance (and xgrammar, vLLM) fill; engines/sampling/ unpacks it on device. A row of all
 ones (-1 words) allows every token, so unconstrained slots carry `ALL_ALLOWED` rows and cost nothing.
 """
 

@@ -1,0 +1,1 @@
+"""vDriver, the threads that feed vEngine, with its slot scheduler (`DenseSlots`)."""

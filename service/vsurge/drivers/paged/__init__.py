@@ -1,0 +1,1 @@
+"""oDriver, the threads that feed oEngine, with its page scheduler (`PageScheduler`)."""

@@ -1,0 +1,1 @@
+"""vEngine: the dense engine (one KV row per slot) and its programs."""
