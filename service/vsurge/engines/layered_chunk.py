@@ -12,7 +12,7 @@ from flax import nnx
 
 from ..models.attention import ChunkAttention
 from .aot_program import program
-from .dense.run_once import abstract
+from .example_args import abstract
 
 __all__ = ["LayeredChunk", "placed"]
 

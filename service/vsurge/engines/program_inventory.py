@@ -25,11 +25,11 @@ import jax
 import numpy as np
 
 from ..models.tpu_lowering import on_target
-from .dense.run_once import GREEDY, Prefixes, abstract, long_prefix_args, run_once_jobs
-from .dense.run_once import sds as _sds
+from .dense.run_once import Prefixes, long_prefix_args, run_once_jobs
 from .dense.vengine import GenerationState
 from .dense.warmup import chained, structured_jobs
 from .dense.warmup import program_jobs as dense_jobs
+from .example_args import GREEDY, abstract, sds
 from .paged.oengine import PagedState, oEngine
 from .paged.programs import program_jobs as paged_jobs
 from .paged.programs import sampler_rows
@@ -68,20 +68,18 @@ def state_spec(engine: Any) -> Any:
     rep = engine._replicated()
     rows = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
     fields = dict(
-        tokens=_sds((s,), np.int32, rep),
-        positions=_sds((s,), np.int32, rep),
-        steps=_sds((s,), np.int32, rep),
-        counts=_sds((s, v), np.int32, rep),
-        prompt_mask=_sds((s, v), np.bool_, rep),
+        tokens=sds((s,), np.int32, rep),
+        positions=sds((s,), np.int32, rep),
+        steps=sds((s,), np.int32, rep),
+        counts=sds((s, v), np.int32, rep),
+        prompt_mask=sds((s, v), np.bool_, rep),
         sampling=abstract(rows, rep),
     )
     if isinstance(engine, oEngine):
         storage = engine.storage
-        pages = jax.tree.map(
-            lambda sh: _sds(storage.page_shape, storage.dtype, sh), storage.layer_shardings()
-        )
+        pages = jax.tree.map(lambda sh: sds(storage.page_shape, storage.dtype, sh), storage.layer_shardings())
         return PagedState(pages=pages, **fields)
-    kv = _sds(
+    kv = sds(
         engine._cache_shape(), engine.cache_dtype, engine._kv_sharding() if engine.mesh is not None else rep
     )
     return GenerationState(caches=tuple((kv, kv) for _ in range(engine.config.num_layers)), **fields)
@@ -121,11 +119,11 @@ def programs(engine: Any) -> list[Program]:
         return _dense_programs(engine, state)
     rep = engine._replicated()
     inputs = abstract(engine.seq_inputs(GREEDY, [], np.zeros(2, np.uint32), [0]))
-    table = _sds((engine.max_concurrent_decodes, engine.table_width), np.int32, rep)
-    jobs = paged_jobs(engine, state, inputs, table, lambda shape, dtype: _sds(shape, dtype, rep))
+    table = sds((engine.max_concurrent_decodes, engine.table_width), np.int32, rep)
+    jobs = paged_jobs(engine, state, inputs, table, lambda shape, dtype: sds(shape, dtype, rep))
     v = engine.config.vocab_size
-    dec = [_sds((r, v), np.float32, rep) for r in engine.step_rows]
+    dec = [sds((r, v), np.float32, rep) for r in engine.step_rows]
     jobs += paged_structured_jobs(
-        engine, sampler_rows(state), dec, [_sds((engine.step_seqs, v), np.float32, rep)], inputs
+        engine, sampler_rows(state), dec, [sds((engine.step_seqs, v), np.float32, rep)], inputs
     )
     return [Program(name, fn, _given(args)) for name, fn, args in jobs]

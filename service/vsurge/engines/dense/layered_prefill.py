@@ -32,10 +32,10 @@ from flax import nnx
 from ...models.attention import PrefillAttention
 from ...models.lora import has_bank, token_slots
 from ..aot_program import program
+from ..example_args import abstract
 from ..layered_chunk import placed as _placed
 from ..sampling.penalties import unpack_token_mask
 from .programs import Prefix
-from .run_once import abstract
 
 __all__ = ["LayeredPrefill"]
 

@@ -16,33 +16,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...contracts.sampling_params import SamplingParams
 from ...structured.bitmask import bitmask_words
+from ..example_args import GREEDY, abstract, sds
 from ..sampling import make_slot_sampling
 
-__all__ = ["sds", "abstract", "Prefixes", "run_once_jobs"]
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-def sds(shape: tuple, dtype: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
-
-
-def abstract(tree: Any, sharding: Any = None) -> Any:
-    """Every array of ``tree`` as a jax.ShapeDtypeStruct: arrays committed to devices keep their sharding;
-    host arrays and uncommitted ones (which jit places where the program wants them) get ``sharding``
-    (default none: as the engine passes them)."""
-
-    def one(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x if x.sharding is not None or sharding is None else sds(x.shape, x.dtype, sharding)
-        if isinstance(x, jax.Array | np.ndarray | np.generic):
-            own = x.sharding if isinstance(x, jax.Array) and x.committed else None
-            return sds(np.shape(x), x.dtype, own if own is not None else sharding)
-        return x
-
-    return jax.tree.map(one, tree)
+__all__ = ["Prefixes", "run_once_jobs"]
 
 
 class Prefixes:

@@ -22,19 +22,12 @@ import numpy as np
 from ...models.compiled.executable_store import store_for
 from ..compile_watch import compiled_during
 from ..engine_base import compile_jobs
+from ..example_args import GREEDY, spec_of, zeros_of
 from ..sampling import SampleResult
-from .run_once import GREEDY, Prefixes, long_prefix_args, run_once_jobs
+from .run_once import Prefixes, long_prefix_args, run_once_jobs
 from .slot_moves import move_args
 
 log = logging.getLogger(__name__)
-
-
-def _spec(a: Any) -> Any:
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
-
-
-def _zeros_of(spec: Any) -> Any:
-    return jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
 
 
 def _warm_prompts(engine: Any) -> tuple[dict[int, list[int]], dict[int, list[list[int]]]]:
@@ -175,7 +168,7 @@ def compile_engine(engine: Any, progress: Callable[[str], None] | None = None) -
     with compiled_during() as after_pool:
         state = _run_each_once(engine, state, say)
         # shapes for warm_structured, which may run later on another thread
-        engine._specs = jax.tree.map(_spec, (state, engine.prefill([1], GREEDY)))
+        engine._specs = jax.tree.map(spec_of, (state, engine.prefill([1], GREEDY)))
         engine.free_resource(0)
         del state
     engine.compiled = True
@@ -252,7 +245,7 @@ def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) 
             store.finish(index=False)  # prefetched at a start: only what compile() needs before ready
         # one real call of each on a throwaway state: the jit dispatch caches then hold the live
         # signatures (tracing and lowering happen here, never on the step thread)
-        dummy, pre = jax.tree.map(_zeros_of, (state, prefix))
+        dummy, pre = jax.tree.map(zeros_of, (state, prefix))
         for r in engine._forward:
             dummy, logits = engine._forward[r](engine.step_params(r), dummy, np.ones(r, np.int32))
             dummy, out = engine._sample_masked[r](dummy, logits, np.full((r, words), -1, np.int32))

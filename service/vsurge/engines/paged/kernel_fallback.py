@@ -28,6 +28,7 @@ import numpy as np
 
 from ...models.pallas_sharded import current as current_attention
 from ...models.pallas_sharded import demote as demote_attention
+from ..example_args import sds
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,6 @@ def abstract_step_args(engine: Any, rows: int, tokens: int) -> tuple:
     real ones, nothing allocated (the weights are the engine's own): to lower it, here or for a TPU
     (models/tpu_lowering.py)."""
     storage, rep = engine.storage, engine._replicated()
-
-    def sds(shape, dtype, sharding):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     pages = jax.tree.map(lambda sh: sds(storage.page_shape, storage.dtype, sh), storage.layer_shardings())
     s = engine.max_concurrent_decodes

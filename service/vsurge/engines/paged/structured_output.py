@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from ...structured.bitmask import ALL_ALLOWED, bitmask_words
-from ..dense.warmup import GREEDY, _spec, _zeros_of
 from ..engine_base import compile_jobs, sample_step
+from ..example_args import GREEDY, spec_of, zeros_of
 from .mixed_step import seat_chunk
 from .programs import SamplerRows, sampler_rows
 from .seat import seat
@@ -92,10 +92,10 @@ class StructuredSpecs:
     def saw(self, dec_logits: Any, pf_logits: Any) -> None:
         for seen, x in ((self.dec, dec_logits), (self.pf, pf_logits)):
             if x is not None:
-                seen.setdefault((x.shape, x.sharding), _spec(x))
+                seen.setdefault((x.shape, x.sharding), spec_of(x))
 
     def state(self, state: Any) -> None:
-        self.rows = jax.tree.map(_spec, sampler_rows(state))
+        self.rows = jax.tree.map(spec_of, sampler_rows(state))
 
 
 def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) -> float:
@@ -110,14 +110,14 @@ def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) 
         inputs = engine.seq_inputs(GREEDY, [], np.zeros(2, np.uint32), [0])
         dec, pf = list(specs.dec.values()), list(specs.pf.values())
         compile_jobs(structured_jobs(engine, specs.rows, dec, pf, inputs), say)
-        dummy, outs = jax.tree.map(_zeros_of, specs.rows), []
+        dummy, outs = jax.tree.map(zeros_of, specs.rows), []
         for x in dec:
             r = x.shape[0]
-            dummy, out = engine._sample_masked[r](dummy, _zeros_of(x), all_allowed(r, v))
+            dummy, out = engine._sample_masked[r](dummy, zeros_of(x), all_allowed(r, v))
             outs.append(out)
         for x in pf:
             dummy, first = engine._seat_masked(
-                dummy, _zeros_of(x), zero, zero, zero, inputs, all_allowed(1, v)
+                dummy, zeros_of(x), zero, zero, zero, inputs, all_allowed(1, v)
             )
             outs.append(first)
         jax.block_until_ready(outs)
