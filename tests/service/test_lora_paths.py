@@ -135,7 +135,7 @@ def test_three_adapters_and_the_base_match_transformers(served, setup):
     ran (blocks, verify steps with accepted drafts, chunks of several adapters inside decode steps, a bank
     split over the mesh) and nothing compiled."""
     variant, surge, calls = served
-    spec = variant == "ngram"  # requests with logprobs get no drafts (ngram_drafts.may_speculate)
+    spec = variant == "ngram"  # requests with logprobs get no drafts (spec_verify.plain_sampling)
     prompts, tokens = (REPEATS, SPEC_TOKENS) if spec else (LONG if variant == "mixed" else PROMPTS, TOKENS)
     want = reference(setup, prompts, NAMES, tokens)
     with compilations() as seen:

@@ -1,14 +1,18 @@
-"""The host side of n-gram speculation in vDriver (drivers/dense/ngram_drafts.py) and the verify-or-decode gate
-(engines/dense/speculative.py: expected_accepted, worth_verifying): pure code, tables."""
+"""The host side of n-gram speculation in vDriver (drivers/dense/ngram_drafts.py), which requests get drafts
+(engines/dense/spec_verify.py: plain_sampling, from the SamplingParams fields' declarations) and the
+verify-or-decode gate (engines/dense/speculative.py: expected_accepted, worth_verifying): pure code, tables."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
-from vsurge.contracts.sampling_params import SamplingParams
+from vsurge.contracts.sampling_params import ANY_VALUE, DRAFTS, WHEN_OFF, SamplingParams
 from vsurge.contracts.token_budget import TokenBudget
-from vsurge.drivers.dense.ngram_drafts import P_RIGHT_WEIGHT, NgramDrafts, may_speculate
+from vsurge.drivers.dense.ngram_drafts import P_RIGHT_WEIGHT, NgramDrafts
+from vsurge.engines.dense.spec_verify import plain_sampling
 from vsurge.engines.dense.speculative import expected_accepted, worth_verifying
 
 
@@ -50,7 +54,7 @@ def test_worth_verifying(live, num_draft, p, ratio, verify):
 
 
 def test_which_requests_speculate():
-    assert may_speculate(GREEDY) and may_speculate(SamplingParams(temperature=0.8))
+    assert plain_sampling(GREEDY) and plain_sampling(SamplingParams(temperature=0.8))
     for params in (
         SamplingParams(temperature=0.8, top_k=5),
         SamplingParams(top_p=0.9),
@@ -59,7 +63,23 @@ def test_which_requests_speculate():
         SamplingParams(min_tokens=3),
         SamplingParams(logit_bias={3: 1.0}),
     ):
-        assert not may_speculate(params), params
+        assert not plain_sampling(params), params
+
+
+def test_an_option_declared_off_for_drafts_turns_them_off_when_set():
+    later = dataclasses.make_dataclass(
+        "Later",
+        [
+            ("strict", int, dataclasses.field(default=0, metadata={DRAFTS: WHEN_OFF})),
+            ("tag", str, dataclasses.field(default="", metadata={DRAFTS: ANY_VALUE})),
+            ("undeclared", int, 0),
+        ],
+        bases=(SamplingParams,),
+    )
+    assert plain_sampling(later(temperature=0.0))
+    assert plain_sampling(later(temperature=0.0, tag="x"))  # any value of it allows drafts
+    assert not plain_sampling(later(temperature=0.0, strict=2))  # set: no drafts
+    assert not plain_sampling(later(temperature=0.0, undeclared=1))  # says nothing: set, no drafts either
 
 
 def test_drafts_come_from_the_slots_own_tokens_and_respect_max_tokens_and_the_context():

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
 
 from vsurge.contracts.sampling_params import (
+    ANY_VALUE,
+    DRAFTS,
     MAX_N,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
+    WHEN_OFF,
     InvalidSamplingParams,
     SamplingParams,
 )
@@ -110,3 +114,15 @@ def test_module_has_no_jax_dependency():
 
     src = Path(sp.__file__).read_text(encoding="utf-8")
     assert "import jax" not in src and "from jax" not in src
+
+
+def undeclared(cls: type) -> list[str]:
+    """The fields of ``cls`` that do not say whether a request may get speculative drafts while they are set."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get(DRAFTS) not in (ANY_VALUE, WHEN_OFF)]
+
+
+def test_every_option_declares_whether_it_allows_speculative_drafts():
+    # a new option must say it (spec_verify.plain_sampling reads the declarations), not be left out of a list
+    assert undeclared(SamplingParams) == []
+    later = dataclasses.make_dataclass("Later", [("new_option", int, 0)], bases=(SamplingParams,))
+    assert undeclared(later) == ["new_option"]

@@ -12,10 +12,13 @@ range; its `param` attribute holds the field name so the server can shape an Ope
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "ANY_VALUE",
+    "DRAFTS",
+    "WHEN_OFF",
     "InvalidSamplingParams",
     "MAX_ALLOWED_TOKEN_IDS",
     "MAX_LOGIT_BIAS",
@@ -36,6 +39,20 @@ MAX_N = 128
 # The seed is folded into 64 bits of key material; anything in this range maps to a distinct key.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
+
+
+# Speculative decoding verifies a request's drafts against its plain distribution, softmax(logits / T)
+# (engines/dense/spec_verify.py), so an option that changes what is sampled otherwise rules drafts out while
+# it is set. Each field declares which it is, under DRAFTS in its metadata: `plain_sampling` reads the
+# declarations, and tests/service/test_sampling_params.py fails on a field that declares nothing.
+DRAFTS = "drafts"
+ANY_VALUE = "any value"  # drafts allowed whatever it is: verification reproduces it, or the host applies it
+WHEN_OFF = "when off"  # drafts allowed only while it is off: None, empty, or its default
+
+
+def _option(default: Any, drafts: str) -> Any:
+    """A field of `SamplingParams` with its default and its declaration for speculative drafts."""
+    return field(default=default, metadata={DRAFTS: drafts})
 
 
 def _is_int(value: object) -> bool:
@@ -68,30 +85,31 @@ class SamplingParams:
     is normalized to a one-element list.
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    seed: int | None = None
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int = 0
+    max_tokens: int = _option(16, ANY_VALUE)
+    temperature: float = _option(1.0, ANY_VALUE)
+    top_p: float = _option(1.0, WHEN_OFF)
+    top_k: int = _option(0, WHEN_OFF)
+    min_p: float = _option(0.0, WHEN_OFF)
+    presence_penalty: float = _option(0.0, WHEN_OFF)
+    frequency_penalty: float = _option(0.0, WHEN_OFF)
+    repetition_penalty: float = _option(1.0, WHEN_OFF)
+    stop: list[str] | None = _option(None, ANY_VALUE)
+    stop_token_ids: list[int] | None = _option(None, ANY_VALUE)
+    ignore_eos: bool = _option(False, ANY_VALUE)
+    min_tokens: int = _option(0, WHEN_OFF)
+    seed: int | None = _option(None, ANY_VALUE)
+    n: int = _option(1, ANY_VALUE)
+    # a verify step computes top logprobs only for its first position
+    logprobs: bool = _option(False, WHEN_OFF)
+    top_logprobs: int = _option(0, WHEN_OFF)
     # token id -> added to its logit before sampling (OpenAI: -100..100; -100 bans, 100 all but forces)
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] | None = _option(None, WHEN_OFF)
     # vLLM: sample only among these ids
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = _option(None, WHEN_OFF)
     # vLLM: logprobs of the prompt tokens (None: off; k >= 0: each prompt token's own plus the top k)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = _option(None, ANY_VALUE)
     # structured output: a compiled grammar (vsurge.structured.CompiledGrammar) the output must match
-    grammar: Any = None
+    grammar: Any = _option(None, WHEN_OFF)
 
     def __post_init__(self) -> None:
         # OpenAI accepts `stop: "x"`; keep one representation downstream.

@@ -7,9 +7,8 @@ verify step can never emit past the request's ``max_tokens`` or the context; `ad
 step emitted (one token per row after a decode step, the accepted draft and one more after a verify step).
 
 Which requests speculate is decided once, at insertion: those whose sampling the verification reproduces
-exactly (`spec_verify.plain_sampling`: greedy or temperature alone) and that ask for no logprobs (a verify
-step computes top logprobs only for its first position). The others decode as without speculation, in the
-same steps.
+exactly (`spec_verify.plain_sampling`: greedy or temperature alone, no logprobs; each SamplingParams field
+declares whether it allows drafts). The others decode as without speculation, in the same steps.
 
 `p_right` estimates how often a draft token is right: after every step with drafts, the share of rows
 whose first draft token is the token the target chose (in a decode step too: the draft was proposed, just
@@ -28,14 +27,9 @@ from ...contracts.token_budget import TokenBudget
 from ...engines.dense.spec_verify import plain_sampling
 from ...engines.dense.speculative import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, propose_ngram
 
-__all__ = ["NgramDrafts", "may_speculate"]
+__all__ = ["NgramDrafts"]
 
 P_RIGHT_WEIGHT = 0.1  # of the latest step in the moving average: about the last ten steps count
-
-
-def may_speculate(params: SamplingParams) -> bool:
-    """True when a request's rows may be given drafts (see the module docstring)."""
-    return plain_sampling(params) and not params.logprobs
 
 
 class NgramDrafts:
@@ -73,7 +67,7 @@ class NgramDrafts:
         self.tokens[slot, :n] = prompt
         self.tokens[slot, n] = first_token
         self.length[slot] = n + 1
-        self.cap[slot] = budget.end if may_speculate(params) else 0
+        self.cap[slot] = budget.end if plain_sampling(params) else 0
 
     def release(self, slot: int) -> None:
         self.length[slot] = 0

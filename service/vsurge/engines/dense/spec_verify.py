@@ -8,9 +8,10 @@ KV written for rejected draft positions stays in the cache past the row's positi
 it: the next step overwrites a position before any query may attend to it (the dense cache's rule).
 
 Rows whose sampling the verification does not model exactly (penalties, logit_bias / allowed ids, top_k,
-top_p, min_p, min_tokens, structured output) must get ``num_draft = 0``: their token at position 0 then
-comes from the engine's own sampler on the same logits, so they decode exactly as without speculation.
-`plain_sampling(params)` says which requests may be given drafts.
+top_p, min_p, min_tokens, structured output, logprobs) must get ``num_draft = 0``: their token at position 0
+then comes from the engine's own sampler on the same logits, so they decode exactly as without
+speculation. `plain_sampling(params)` says which requests may be given drafts, from what each
+SamplingParams field declares (`DRAFTS`).
 
 The driver's side (drivers/dense/vdriver.py, `DenseSlots`): proposing drafts needs each row's latest tokens on
 the host, so with speculation on every step's tokens are read before the next step is dispatched (the
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ...contracts.sampling_params import SamplingParams
+from ...contracts.sampling_params import ANY_VALUE, DRAFTS, SamplingParams
 from ...models.attention import as_given, flat_cache, kv_store, read_chunk, read_dense_rows, to_flat
 from ...models.lora import has_bank
 from ..aot_program import program
@@ -52,19 +53,20 @@ class VerifyStep(NamedTuple):
 
 
 def plain_sampling(params: SamplingParams) -> bool:
-    """True when `verify` reproduces this request's sampling exactly (greedy or temperature alone)."""
-    return (
-        not params.top_k
-        and (params.top_p is None or params.top_p >= 1.0)
-        and not params.min_p
-        and not params.presence_penalty
-        and not params.frequency_penalty
-        and (params.repetition_penalty is None or params.repetition_penalty == 1.0)
-        and not params.logit_bias
-        and not params.allowed_token_ids
-        and not params.min_tokens
-        and params.grammar is None
+    """True when `verify` reproduces this request's sampling exactly: every option that allows drafts only
+    while it is off (its field's `DRAFTS` declaration, in contracts/sampling_params.py) is off. A field
+    that declares nothing is taken as `WHEN_OFF`: set, it rules drafts out."""
+    return all(
+        f.metadata.get(DRAFTS) == ANY_VALUE or _off(getattr(params, f.name), f.default)
+        for f in dataclasses.fields(params)
     )
+
+
+def _off(value: Any, default: Any) -> bool:
+    """An option is off when it is None, empty, or a plain value equal to its default."""
+    if value is None or (isinstance(value, list | tuple | dict) and not value):
+        return True
+    return isinstance(value, bool | int | float | str) and value == default
 
 
 @dataclasses.dataclass(frozen=True)
