@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     lora = LoraAdapters([engine])
     with tempfile.TemporaryDirectory() as d:
         for i in range(4):
-            write_adapter(os.path.join(d, str(i)), engine.config, i)
+            write_adapter(os.path.join(d, str(i)), engine.model_config, i)
             lora.add(f"a{i}", os.path.join(d, str(i)))
             lora.bank.write(i, lora._entries[f"a{i}"].weights)
     for k in (0, 1, 4):

@@ -132,7 +132,7 @@ def structured(g: Guard, surge: Any) -> None:
     from vsurge.structured import GrammarCompiler, GrammarSpec
 
     eng = surge.driver.engines[0]
-    compiler = GrammarCompiler(g.tok, eng.config.vocab_size, eng.eos_token_ids)
+    compiler = GrammarCompiler(g.tok, eng.model_config.vocab_size, eng.eos_token_ids)
     grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     surge.warm_structured()
     prompt = g.prompts(1)[0]

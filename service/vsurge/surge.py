@@ -124,7 +124,7 @@ class Surge:
     @property
     def vocab_size(self) -> int:
         """Rows of the model's embedding: the valid token ids (the tokenizer may know fewer)."""
-        return int(self._engine.config.vocab_size)
+        return int(self._engine.model_config.vocab_size)
 
     @property
     def live(self) -> bool:
@@ -237,7 +237,7 @@ class Surge:
             ids = self.tokenize(request.prompt)
         elif isinstance(request.prompt, Sequence) or hasattr(request.prompt, "__array__"):
             ids = list(request.prompt)
-            vocab = self._engine.config.vocab_size
+            vocab = self._engine.model_config.vocab_size
             if not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
             ):

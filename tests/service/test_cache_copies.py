@@ -67,7 +67,7 @@ def test_no_program_copies_a_whole_cache(tiny_checkpoint, cls):
     for p in programs(engine):
         hlo = p.fn.lower(*p.args).compile().as_text()
         seen += 1
-        if copies := whole_cache_copies(hlo, cache, engine.config.num_kv_heads):
+        if copies := whole_cache_copies(hlo, cache, engine.model_config.num_kv_heads):
             bad[p.name] = copies
     assert seen > 10  # the inventory was walked
     assert bad == {}, f"programs copying a whole layer's cache {cache}: {bad}"

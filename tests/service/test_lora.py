@@ -66,7 +66,7 @@ def test_model_logits_match_merged_adapters(setup):
 
     bank = LoraBank([engine])
     for slot, name in enumerate(ADAPTERS):
-        bank.write(slot, read_adapter(adapters[name][0], engine.config, 16))
+        bank.write(slot, read_adapter(adapters[name][0], engine.model_config, 16))
     ids = np.random.RandomState(1).randint(0, 320, (4, 24))
     ours = logits(nnx.merge(engine.graphdef, engine.params), ids, adapters=[0, 1, 2, -1])
     worst = 0.0

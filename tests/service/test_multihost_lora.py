@@ -151,7 +151,7 @@ def _bank_leaves(engine) -> list[np.ndarray]:
     return [
         np.asarray(_leaf(tree, layer, module, name)[...])
         for tree in engine.lora_trees()
-        for layer in range(engine.config.num_layers)
+        for layer in range(engine.model_config.num_layers)
         for module in TARGETS
         for name in ("lora_a", "lora_b")
     ]

@@ -49,7 +49,9 @@ def surge(tiny):
 @pytest.fixture(scope="module")
 def grammars(tiny, surge):
     _, tok = tiny
-    compiler = GrammarCompiler(tok, surge.driver.engine.config.vocab_size, surge.driver.engine.eos_token_ids)
+    compiler = GrammarCompiler(
+        tok, surge.driver.engine.model_config.vocab_size, surge.driver.engine.eos_token_ids
+    )
     yield compiler.compile
     compiler.close()
 

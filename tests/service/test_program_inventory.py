@@ -88,7 +88,7 @@ def test_the_inventory_lowers_as_the_engine_calls(tiny, cls):
         place = lambda shape, dt: jax.device_put(np.zeros(shape, dt), rep)  # noqa: E731
         real = paged_jobs(engine, state, inputs, table, place)
         # what warm_structured adds: the masked samplers and seat, on the state less its pages
-        v = engine.config.vocab_size
+        v = engine.model_config.vocab_size
         dec = [place((r, v), np.float32) for r in engine.step_rows]
         pf = [place((engine.step_seqs, v), np.float32)]
         real += paged_structured_jobs(engine, sampler_rows(state), dec, pf, inputs)

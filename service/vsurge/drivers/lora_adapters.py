@@ -45,7 +45,7 @@ class LoraAdapters:
     def __init__(self, engines: Sequence[Any]):
         # one engine: its own bank (on a multi-host leader, the one the step lane reaches on every process)
         self.bank = engines[0].lora_bank if len(engines) == 1 else LoraBank(engines)
-        self.config = engines[0].config
+        self.model_config = engines[0].model_config
         self.table = SlotTable(self.bank.slots)
         self._entries: dict[str, _Entry] = {}
         self._entered: dict[str, str] = {}  # request id -> adapter name, from enter to leave
@@ -67,7 +67,9 @@ class LoraAdapters:
         with self._cond:
             if name in self._entries:
                 raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        weights = read_adapter(resolve(source), self.config, self.bank.rank)  # off the lock: may download
+        weights = read_adapter(
+            resolve(source), self.model_config, self.bank.rank
+        )  # off the lock: may download
         with self._cond:
             identity = f"{name}#{next(self._generation)}"
         # The bank keeps the host weights under the identity, to write them into a slot whenever a request

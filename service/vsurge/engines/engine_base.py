@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from ..contracts.engine_config import MAX_LENGTH_CAP, EngineConfig, driver_default
 from ..models.compiled.cache_reads import serialize_cache_reads
+from ..models.compiled.cache_writes import skipping_jax_cache_writes
 from ..models.compiled.executable_store import release_prefetched
 from ..models.lora import attach_bank, detach_bank
 from ..models.sharding import place_params
 from ..models.target import target_backend
 from .aot_program import AotProgram, program
-from .cache_writes import skipping_jax_cache_writes
 from .chunked_prefill import ChunkedPrefill
 from .lora_bank import LoraBank
 from .sampling import SlotSampling, sample, set_slot, sharded_sampling
@@ -164,7 +164,7 @@ class EngineBase:
             mesh = make_mesh(mesh)
         self.engine_config = config.replace(mesh=mesh)
         self.model = model
-        self.config = model.config
+        self.model_config = model.config
         self._processor = processor
         self.mesh = mesh
         self.max_concurrent_decodes = config.max_concurrent_decodes
@@ -186,7 +186,7 @@ class EngineBase:
         else:
             detach_bank(model)  # a model an earlier engine gave a bank
         self.graphdef, params = nnx.split(model)
-        self.params = place_params(params, self.config, mesh) if mesh is not None else params
+        self.params = place_params(params, self.model_config, mesh) if mesh is not None else params
         self.decode_rows = row_buckets(self.max_concurrent_decodes, smallest_rows)
         self.logits_sharding = NamedSharding(mesh, P()) if mesh is not None else None
 
@@ -212,7 +212,7 @@ class EngineBase:
         return ChunkedPrefill(
             self.graphdef,
             self.params if params is None else params,
-            self.config,
+            self.model_config,
             self.prefill_lengths,
             self.max_prefill_length,
             self.max_length,
@@ -248,11 +248,11 @@ class EngineBase:
 
     @property
     def model_name(self) -> str:
-        return self.config.model_type
+        return self.model_config.model_type
 
     @property
     def eos_token_ids(self) -> list[int]:
-        ids = set(self.config.eos_token_ids)
+        ids = set(self.model_config.eos_token_ids)
         tok = self._processor
         if tok is not None and getattr(tok, "eos_token_id", None) is not None:
             ids.add(int(tok.eos_token_id))
@@ -261,7 +261,7 @@ class EngineBase:
     @property
     def pad_token_id(self) -> int:
         tok = self._processor
-        for v in (getattr(tok, "pad_token_id", None), self.config.pad_token_id):
+        for v in (getattr(tok, "pad_token_id", None), self.model_config.pad_token_id):
             if v is not None:
                 return int(v)
         return self.eos_token_ids[0] if self.eos_token_ids else 0
@@ -314,7 +314,7 @@ def compile_jobs(
         keep = store is not None and isinstance(fn, AotProgram)
         compiled = store.load(name, fn) if keep else None
         if compiled is None:
-            with skipping_jax_cache_writes(keep):  # the store keeps it (cache_writes.py)
+            with skipping_jax_cache_writes(keep):  # the store keeps it (models/compiled/cache_writes.py)
                 compiled = fn.lower(*(args() if callable(args) else args)).compile()
             if keep:
                 store.save(name, fn, compiled)

@@ -77,7 +77,7 @@ class LoraBank:
         if len(shapes) != 1 or None in shapes:
             raise ValueError("every engine of a LoRA driver needs the same adapter bank")
         self.slots, self.rank = shapes.pop()
-        self.num_layers = engines[0].config.num_layers
+        self.num_layers = engines[0].model_config.num_layers
         self.trees = [t for e in engines for t in e.lora_trees()]
         self._programs: dict[Any, Any] = {}  # by the leaf's sharding: out_shardings must name it
         self._lock = threading.Lock()  # one writer at a time: two loads must not interleave a slot

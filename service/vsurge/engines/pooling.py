@@ -72,7 +72,10 @@ class Pooler:
         # the prefill buckets: what the engine already bounds a prompt by (longer input is a 400)
         lengths = getattr(engine, "prefill_lengths", None) or [engine.max_length]
         return cls(
-            engine.graphdef, engine.params, sorted({int(n) for n in lengths}), int(engine.config.hidden_size)
+            engine.graphdef,
+            engine.params,
+            sorted({int(n) for n in lengths}),
+            int(engine.model_config.hidden_size),
         )
 
     @property

@@ -64,7 +64,7 @@ def _given(args: tuple) -> Callable[[], tuple]:
 def state_spec(engine: Any) -> Any:
     """The engine's decode state (what ``init_decode_state`` returns) as abstract arrays, in the
     shardings the engine keeps it: the KV cache as the engine lays it out, every other row replicated."""
-    s, v = engine.max_concurrent_decodes, engine.config.vocab_size
+    s, v = engine.max_concurrent_decodes, engine.model_config.vocab_size
     rep = engine._replicated()
     rows = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
     fields = dict(
@@ -82,7 +82,7 @@ def state_spec(engine: Any) -> Any:
     kv = sds(
         engine._cache_shape(), engine.cache_dtype, engine._kv_sharding() if engine.mesh is not None else rep
     )
-    return GenerationState(caches=tuple((kv, kv) for _ in range(engine.config.num_layers)), **fields)
+    return GenerationState(caches=tuple((kv, kv) for _ in range(engine.model_config.num_layers)), **fields)
 
 
 def _dense_programs(engine: Any, state: Any) -> list[Program]:
@@ -121,7 +121,7 @@ def programs(engine: Any) -> list[Program]:
     inputs = abstract(engine.seq_inputs(GREEDY, [], np.zeros(2, np.uint32), [0]))
     table = sds((engine.max_concurrent_decodes, engine.table_width), np.int32, rep)
     jobs = paged_jobs(engine, state, inputs, table, lambda shape, dtype: sds(shape, dtype, rep))
-    v = engine.config.vocab_size
+    v = engine.model_config.vocab_size
     dec = [sds((r, v), np.float32, rep) for r in engine.step_rows]
     jobs += paged_structured_jobs(
         engine, sampler_rows(state), dec, [sds((engine.step_seqs, v), np.float32, rep)], inputs

@@ -83,7 +83,7 @@ LOCAL_METHODS = frozenset(
 # Attributes the drivers read that are not plain values: settings objects and host-side bookkeeping.
 LOCAL_ATTRIBUTES = frozenset(
     {
-        "config",
+        "model_config",
         "engine_config",
         "processor",
         "mesh",

@@ -59,7 +59,7 @@ class DenseSlots:
         self.last_step = time.monotonic()
         # structured output: matchers and token masks of the constrained slots (structured/slots.py)
         self.grammars = SlotGrammars(
-            engine.max_concurrent_decodes, engine.config.vocab_size, engine.eos_token_ids
+            engine.max_concurrent_decodes, engine.model_config.vocab_size, engine.eos_token_ids
         )
         # constrained requests wait here until the engine's structured programs are compiled
         self.held: collections.deque[Prefilled] = collections.deque()

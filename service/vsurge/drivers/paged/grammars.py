@@ -46,7 +46,7 @@ class PagedGrammars:
     def __init__(self, pipeline: Pipeline, engine: Any, sched: PageScheduler):
         self.pipeline, self.engine, self.sched = pipeline, engine, sched
         self.slots = SlotGrammars(
-            engine.max_concurrent_decodes, engine.config.vocab_size, engine.eos_token_ids
+            engine.max_concurrent_decodes, engine.model_config.vocab_size, engine.eos_token_ids
         )
         self.seqs: dict[int, Seq] = {}  # slot -> the sequence its matcher follows
         self.held: collections.deque[Prepared] = collections.deque()

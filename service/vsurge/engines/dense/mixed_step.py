@@ -188,7 +188,7 @@ class DenseMixedStep:
             for r, fn in self._fns.items()
             for k, c in self.shapes[r]
         ]
-        width = self.engine.config.hidden_size
+        width = self.engine.model_config.hidden_size
         dtype = self.engine.model.dtype
         row = self.engine.make_sampling_row(None, ())
         for k in sorted({k for shapes in self.shapes.values() for k, _ in shapes}):

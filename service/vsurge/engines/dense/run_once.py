@@ -47,8 +47,8 @@ def long_prefix_args(engine: Any) -> tuple:
     m, c, rep = engine.max_concurrent_prefill, engine.chunked, engine._replicated()
     sampling = make_slot_sampling([GREEDY] + [None] * (m - 1), stop_ids=[[]] * m)
     row = abstract(jax.eval_shape(c._zeros), rep)
-    last = sds((engine.config.hidden_size,), engine.model.dtype, rep)
-    words = np.zeros((m, bitmask_words(engine.config.vocab_size)), np.int32)
+    last = sds((engine.model_config.hidden_size,), engine.model.dtype, rep)
+    words = np.zeros((m, bitmask_words(engine.model_config.vocab_size)), np.int32)
     return (row, last, words, np.int32(1), sampling)
 
 

@@ -13,7 +13,7 @@ then comes from the engine's own sampler on the same logits, so they decode exac
 speculation. `plain_sampling(params)` says which requests may be given drafts, from what each
 SamplingParams field declares (`DRAFTS`).
 
-The driver's side (drivers/dense/vdriver.py, `DenseSlots`): proposing drafts needs each row's latest tokens on
+The driver's side (drivers/dense/slot_scheduler.py, `DenseSlots`): proposing drafts needs each row's latest tokens on
 the host, so with speculation on every step's tokens are read before the next step is dispatched (the
 one-step-ahead overlap of ordinary decoding is given up), and the detokenize thread takes up to K+1 tokens
 per row per step (stopping at an EOS, stop string or max_tokens inside an accepted draft).

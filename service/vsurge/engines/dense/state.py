@@ -31,11 +31,11 @@ class DenseCache:
         return self.model.dtype
 
     def _cache_shape(self) -> tuple[int, ...]:
-        c = self.config
+        c = self.model_config
         return (self.max_concurrent_decodes, self.max_length, c.num_kv_heads * c.head_dim)
 
     def _kv_sharding(self) -> jax.sharding.Sharding:
-        return dense_cache_sharding(self.mesh, self._cache_shape(), self.config.num_kv_heads)
+        return dense_cache_sharding(self.mesh, self._cache_shape(), self.model_config.num_kv_heads)
 
     def _make_state_shardings(self) -> GenerationState | None:
         if self.mesh is None:
@@ -43,7 +43,7 @@ class DenseCache:
         kv = self._kv_sharding()
         rep = NamedSharding(self.mesh, P())
         return GenerationState(
-            caches=tuple((kv, kv) for _ in range(self.config.num_layers)),
+            caches=tuple((kv, kv) for _ in range(self.model_config.num_layers)),
             tokens=rep,
             positions=rep,
             steps=rep,
@@ -59,7 +59,7 @@ class DenseCache:
         """Where a prefix must live to be inserted here (used by the transfer thread)."""
         if self.mesh is None:
             return self._replicated()
-        c = self.config
+        c = self.model_config
         kv = NamedSharding(
             self.mesh, P(None, None, "tp", None) if c.num_kv_heads % self.mesh.shape["tp"] == 0 else P()
         )
@@ -74,13 +74,13 @@ class DenseCache:
         )
 
     def init_decode_state(self, *args, **kwargs) -> GenerationState:
-        s, v = self.max_concurrent_decodes, self.config.vocab_size
+        s, v = self.max_concurrent_decodes, self.model_config.vocab_size
         dtype = self.cache_dtype
         rep = self._replicated()
         kv_sharding = self._kv_sharding() if self.mesh is not None else rep
         if self._zeros is None:  # one program, kept: a restarted generate thread must not compile again
             self._zeros = jax.jit(lambda: jnp.zeros(self._cache_shape(), dtype), out_shardings=kv_sharding)
-        caches = tuple((self._zeros(), self._zeros()) for _ in range(self.config.num_layers))
+        caches = tuple((self._zeros(), self._zeros()) for _ in range(self.model_config.num_layers))
         put = partial(jax.device_put, device=rep)
         sampling = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
         self._pos[:] = 0

@@ -86,14 +86,14 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         num_top_logprobs = self.num_top_logprobs
         self._state_shardings = self._make_state_shardings()
         tp = self.mesh.shape["tp"] if self.mesh is not None else 1
-        if self.config.num_kv_heads % tp:
+        if self.model_config.num_kv_heads % tp:
             # correct but costly: every tp device holds the whole dense cache; said, never silent
             log.warning(
                 "the model's %d kv heads do not split over tp=%d: the dense KV cache is replicated on "
                 "every device of the tp axis (use a tp that divides %d, or the paged driver, which refuses)",
-                self.config.num_kv_heads,
+                self.model_config.num_kv_heads,
                 tp,
-                self.config.num_kv_heads,
+                self.model_config.num_kv_heads,
             )
         self._pos = np.zeros(self.max_concurrent_decodes, np.int64)  # host mirror, picks the decode bucket
         self._active = np.zeros(self.max_concurrent_decodes, bool)
@@ -167,7 +167,9 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         self._zeros = None
         self.chunked = self._make_chunked(self.prefill_params)
         self._long_prefix = program(
-            partial(_long_prefix_impl, entries=self.max_concurrent_prefill, vocab=self.config.vocab_size)
+            partial(
+                _long_prefix_impl, entries=self.max_concurrent_prefill, vocab=self.model_config.vocab_size
+            )
         )
         # n-gram speculative decoding: the verify step per row bucket (spec_verify.py)
         self.speculator = (
@@ -232,7 +234,7 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         want = params.prompt_logprobs is not None
         rows, last, parts = self.chunked.run(tokens, want, adapter)
         k = self.max_concurrent_prefill
-        words = prompt_mask_words([tokens], k, self.config.vocab_size)
+        words = prompt_mask_words([tokens], k, self.model_config.vocab_size)
         stops = [list(stop_ids)[:DEFAULT_MAX_STOP_IDS]] + [[]] * (k - 1)
         sampling = make_slot_sampling([params] + [None] * (k - 1), stop_ids=stops, adapters=[adapter])
         prefix = self._long_prefix(rows, last, words, np.int32(n), sampling)
@@ -294,7 +296,7 @@ class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed'
         sampling = make_slot_sampling(
             list(params) + [None] * pad, stop_ids=stops + [[]] * pad, adapters=adapters
         )
-        words = prompt_mask_words(prompts, k, self.config.vocab_size)
+        words = prompt_mask_words(prompts, k, self.model_config.vocab_size)
         return tokens, positions, segments, totals, starts, lens, words, sampling
 
     def insert(

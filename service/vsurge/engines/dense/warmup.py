@@ -117,7 +117,7 @@ def chained(engine: Any, jobs: list[tuple[str, Any, Any]], made: bool = True) ->
 def structured_jobs(engine: Any, state: Any, prefix: Any) -> list[tuple[str, Any, tuple]]:
     """What `warm_structured` compiles: the split step (model, then the masked sampler) per row count
     and the masked first token, on ``state`` and a ``prefix`` (real arrays or their shapes)."""
-    v = engine.config.vocab_size
+    v = engine.model_config.vocab_size
     mask_spec = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     words = -(-v // 32)
     jobs = [
@@ -235,7 +235,7 @@ def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) 
     t0 = time.perf_counter()
     if engine._specs is not None:
         state, prefix = engine._specs
-        v = engine.config.vocab_size
+        v = engine.model_config.vocab_size
         words = -(-v // 32)
         key = np.zeros(2, np.uint32)
         jobs = structured_jobs(engine, state, prefix)

@@ -269,7 +269,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         if self._spare is not None:
             state, self._spare = self._spare, None
             return state
-        s, v = self.max_concurrent_decodes, self.config.vocab_size
+        s, v = self.max_concurrent_decodes, self.model_config.vocab_size
         put = partial(put_host, sharding=self._replicated())  # no collective across processes
         sampling = make_slot_sampling([None] * s, max_stop_ids=DEFAULT_MAX_STOP_IDS)
         return PagedState(
@@ -292,7 +292,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         adapter: int = -1,
     ) -> SeqInputs:
         """Device inputs for sampling a sequence's next token after its prefill (or recompute)."""
-        v, stops = self.config.vocab_size, [list(stop_ids)[:DEFAULT_MAX_STOP_IDS]]
+        v, stops = self.model_config.vocab_size, [list(stop_ids)[:DEFAULT_MAX_STOP_IDS]]
         put = partial(put_host, sharding=self._replicated())  # no collective across processes
         row = make_slot_sampling([params], keys=[key], stop_ids=stops, adapters=[adapter])
         mask = np.zeros(v, bool)
@@ -454,7 +454,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
         # committed to the device like the driver's table: jit keys on that, and a miss is a compile
         table = jax.device_put(np.zeros((self.max_concurrent_decodes, self.table_width), np.int32), rep)
         zero, legacy = np.int32(0), self.legacy_programs
-        logits = jax.device_put(jnp.zeros((self.config.vocab_size,), jnp.float32), rep)
+        logits = jax.device_put(jnp.zeros((self.model_config.vocab_size,), jnp.float32), rep)
         jobs = program_jobs(
             self, state, inputs, table, lambda shape, dt: jax.device_put(jnp.zeros(shape, dt), rep)
         )

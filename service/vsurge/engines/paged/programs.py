@@ -103,7 +103,7 @@ def program_jobs(
     ``inputs`` (SeqInputs) and the page ``table``; ``place(shape, dtype)`` makes a device argument (zeros
     on the device to compile, a jax.ShapeDtypeStruct to lower). The per-sequence prefill and decode
     programs only with ``legacy_programs``."""
-    row, zero, v = np.zeros(engine.table_width, np.int32), np.int32(0), engine.config.vocab_size
+    row, zero, v = np.zeros(engine.table_width, np.int32), np.int32(0), engine.model_config.vocab_size
     legacy = engine.legacy_programs
     jobs = [
         (

@@ -60,7 +60,7 @@ def structured_jobs(
     """What `warm_structured` compiles, on ``rows`` (`SamplerRows`), the decode logits of each row count
     and the chunk logits (real arrays or their shapes) and a sequence's ``inputs`` (SeqInputs). The
     masks are host arrays, as the driver passes them."""
-    v, zero = engine.config.vocab_size, np.int32(0)
+    v, zero = engine.model_config.vocab_size, np.int32(0)
     jobs = [
         (
             f"masked sampler slots={x.shape[0]}",
@@ -106,7 +106,7 @@ def warm_structured(engine: Any, progress: Callable[[str], None] | None = None) 
     t0 = time.perf_counter()
     specs: StructuredSpecs | None = engine._structured_specs
     if specs is not None and specs.rows is not None:
-        v, zero = engine.config.vocab_size, np.int32(0)
+        v, zero = engine.model_config.vocab_size, np.int32(0)
         inputs = engine.seq_inputs(GREEDY, [], np.zeros(2, np.uint32), [0])
         dec, pf = list(specs.dec.values()), list(specs.pf.values())
         compile_jobs(structured_jobs(engine, specs.rows, dec, pf, inputs), say)

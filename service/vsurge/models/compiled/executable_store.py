@@ -137,7 +137,7 @@ def engine_key(engine: Any) -> str:
         repr([(d.id, d.device_kind, d.process_index) for d in devices]),
         _ADDRESS.sub("", repr(engine.mesh)),
         type(engine).__name__,
-        repr(engine.config),
+        repr(engine.model_config),
         repr(getattr(engine, "engine_config", None)),
         repr(engine.model.dtype),
         _signature(engine.params),
@@ -365,5 +365,5 @@ def store_for(engine: Any) -> ExecutableStore | None:
     top = root()
     if top is None:
         return None
-    model = model_key(engine.config, engine.model.dtype, _quantization_of(engine.params))
+    model = model_key(engine.model_config, engine.model.dtype, _quantization_of(engine.params))
     return ExecutableStore(top, engine_key(engine), model)
