@@ -185,6 +185,78 @@ def test_return_tokens_as_token_ids(client):
     assert first and streamed == logged and len(streamed) == 8
 
 
+def test_logprob_token_ids_answers_the_named_ids(client, http):
+    # vLLM's logprob_token_ids: the named ids (and the sampled token) in place of the top-k, each with the
+    # same value the natural top-k gives it
+    natural = (
+        client.completions.create(
+            model=MODEL,
+            prompt="Hello there",
+            max_tokens=3,
+            temperature=0,
+            logprobs=5,
+            extra_body={"return_tokens_as_token_ids": True},
+        )
+        .choices[0]
+        .logprobs
+    )
+    picked = [int(k.removeprefix("token_id:")) for k in natural.top_logprobs[1]][1:4]
+    named = (
+        client.completions.create(
+            model=MODEL,
+            prompt="Hello there",
+            max_tokens=3,
+            temperature=0,
+            logprobs=5,
+            extra_body={"return_tokens_as_token_ids": True, "logprob_token_ids": picked},
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert named.tokens == natural.tokens
+    for at in range(3):
+        assert set(named.top_logprobs[at]) == {named.tokens[at], *(f"token_id:{t}" for t in picked)}
+        for key, value in named.top_logprobs[at].items():
+            if key in natural.top_logprobs[at]:
+                assert value == pytest.approx(natural.top_logprobs[at][key], abs=1e-4)
+    # with allowed_token_ids the sampled token is an allowed one and still heads the named ids (chat,
+    # streamed: each chunk's entries)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+        extra_body={
+            "logprob_token_ids": [5, 7],
+            "allowed_token_ids": [42],
+            "return_tokens_as_token_ids": True,
+        },
+    )
+    entries = [
+        e
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
+    assert [e.token for e in entries] == ["token_id:42"] * 2
+    assert all(
+        [t.token for t in e.top_logprobs] == ["token_id:42", "token_id:5", "token_id:7"] for e in entries
+    )
+    assert all(-1e4 < t.logprob <= 0 for e in entries for t in e.top_logprobs)
+    # bad input names the field
+    for extra in ({"logprob_token_ids": [10**9]}, {"logprob_token_ids": "5"}, {"logprob_token_ids": []}):
+        r = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "logprobs": 1, **extra}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids", r.text
+    r = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, "logprob_token_ids": [5]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids"
+
+
 # ------------------------------------------------------------------------------------- response shapes
 
 

@@ -16,6 +16,7 @@ from vsurge.contracts.request import GenerationRequest, ReturnSample, vSurgeMeta
 
 from . import beam_search, errors
 from .errors import APIError
+from .explicit_logprobs import named_events
 from .parsing import GenerationPlan, plan_chat, plan_completion, validate
 from .prompts import tokenize_prompts
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -31,7 +32,7 @@ from .shaping import (
     new_id,
     token_id_string,
 )
-from .streams import ClientDisconnected, SSEResponse, engine_events, run_until_disconnect
+from .streams import ClientDisconnected, SSEResponse, run_until_disconnect
 from .structured_outputs import compile_spec
 from .tool_parsers import resolve_choice
 
@@ -92,7 +93,8 @@ class GenerationRoutes:
 
     async def _tokenize(self, entry: ServedModel, plan: GenerationPlan) -> None:
         """Server-side tokenization where an option needs it (truncation, add_special_tokens, beam search)."""
-        if plan.truncate_keep is None and plan.add_special_tokens is None and plan.beam is None:
+        named = bool(plan.logprob_token_ids)  # its scoring contexts start with the prompt's ids
+        if plan.truncate_keep is None and plan.add_special_tokens is None and plan.beam is None and not named:
             return
         if entry.processor is None and any(isinstance(p, str) for p in plan.prompts):
             raise errors.invalid_request("This model has no tokenizer; send token ids.", param="prompt")
@@ -106,7 +108,7 @@ class GenerationRoutes:
                 add_special_tokens=plan.add_special_tokens,
                 keep=plan.truncate_keep,
                 side=plan.truncation_side,
-                always=plan.beam is not None,  # beams grow token ids
+                always=plan.beam is not None or named,  # beams grow token ids
             )
 
         big = _chars(plan.prompts) > _OFFLOAD_CHARS
@@ -268,7 +270,7 @@ class GenerationRoutes:
             collectors = [Collector(n, index_offset=i * n) for i in range(len(engine_reqs))]
 
             async def collect() -> None:
-                events = engine_events(entry.surge, engine_reqs)
+                events = named_events(entry.surge, engine_reqs, plan.logprob_token_ids)
                 try:
                     async for i, samples in events:
                         collectors[i].add(samples)
@@ -357,7 +359,7 @@ class GenerationRoutes:
         if collectors is not None:  # beam search: the answer is complete; stream it as one delta per beam
             events = _replay(collectors)
         else:
-            events = engine_events(entry.surge, engine_reqs)
+            events = named_events(entry.surge, engine_reqs, plan.logprob_token_ids)
         # Pull the first item before answering 200: a full queue or a too-long prompt must still get its
         # own status code (429 / 400), not an error inside a 200 stream.
         try:

@@ -15,6 +15,7 @@ from vsurge.contracts.sampling_params import MAX_N, SamplingParams
 
 from .body import read_json, validate, validation_error
 from .errors import invalid_request
+from .explicit_logprobs import check_logprob_token_ids
 from .messages import check_generation_prompt, echo_text, messages_to_dicts, render_chat
 from .prompts import MAX_PROMPTS, check_truncation, completion_prompts
 from .sampling_fields import (
@@ -92,6 +93,8 @@ class GenerationPlan:
     # structured output: the GrammarSpec to compile (vsurge.structured), and the chat's ToolPlan
     grammar: Any = None
     tools: Any = None
+    # vLLM's logprob_token_ids: these ids' logprobs at every generated position (explicit_logprobs.py)
+    logprob_token_ids: list[int] | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -172,6 +175,13 @@ def plan_chat(
         request_id=req.request_id,
         grammar=structured.grammar,
         tools=tools,
+        logprob_token_ids=check_logprob_token_ids(
+            req.logprob_token_ids,
+            logprobs=bool(req.logprobs),
+            beam=bool(req.use_beam_search),
+            max_tokens=max_tokens,
+            vocab_size=vocab_size,
+        ),
     )
 
 
@@ -229,4 +239,11 @@ def plan_completion(
         beam=_beam(req),
         request_id=req.request_id,
         grammar=grammar,
+        logprob_token_ids=check_logprob_token_ids(
+            req.logprob_token_ids,
+            logprobs=lp is not None,
+            beam=bool(req.use_beam_search),
+            max_tokens=max_tokens,
+            vocab_size=vocab_size,
+        ),
     )

@@ -67,7 +67,6 @@ _NEUTRAL_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "spaces_between_special_tokens": ((None, True), ""),
     "bad_words": ((None, []), "use logit_bias with -100 for the words' tokens"),
     "logits_processors": ((None, []), "custom logits processors cannot be loaded"),
-    "logprob_token_ids": ((None,), "use logprobs / top_logprobs"),
     "kv_transfer_params": ((None, {}), "disaggregated prefill is not implemented"),
     "chat_template": ((None,), "the model's own chat template is used; see chat_template_kwargs"),
     "guided_json": ((None,), "use structured_outputs.json or response_format"),
