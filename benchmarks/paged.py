@@ -240,8 +240,10 @@ def run_batch(s, prompts, outputs) -> float:
 
 
 def throughput(model, tok, args) -> dict:
-    b, max_length = args.batch, 1024
-    common = dict(max_concurrent_decodes=b, prefill_lengths=[32, 64, 128, 256, 512], max_length=max_length)
+    # --smoke: the same path at a size that compiles quickly (tests)
+    b, max_length = args.batch, 128 if args.smoke else 1024
+    lengths = [32, 64] if args.smoke else [32, 64, 128, 256, 512]
+    common = dict(max_concurrent_decodes=b, prefill_lengths=lengths, max_length=max_length)
     kv_bytes = b * max_length * BYTES  # what the dense engine holds
     surges = {
         "vdriver": build(model, tok, "vdriver", **common),
@@ -249,10 +251,10 @@ def throughput(model, tok, args) -> dict:
     }
     rng = np.random.RandomState(2)
     prompts = [list(rng.randint(100, model.config.vocab_size, size=32)) for _ in range(b)]
-    outputs = [128] * b
+    outputs = [16 if args.smoke else 128] * b
     rates: dict[str, list[float]] = {d: [] for d in surges}
     for s in surges.values():  # warm-up round, not counted
-        run_batch(s, prompts[:4], [8] * 4)
+        run_batch(s, prompts[:4], [8] * len(prompts[:4]))
     for _ in range(args.rounds):
         for d, s in surges.items():
             rates[d].append(run_batch(s, prompts, outputs))
@@ -262,7 +264,7 @@ def throughput(model, tok, args) -> dict:
     out = {d: {"tok_s": statistics.fmean(r), "rounds": r} for d, r in rates.items()}
     out["ratio"] = out["odriver"]["tok_s"] / out["vdriver"]["tok_s"]
     print(
-        f"{b} concurrent (prompt 32, output 128): vdriver {out['vdriver']['tok_s']:.1f} tok/s, "
+        f"{b} concurrent (prompt 32, output {outputs[0]}): vdriver {out['vdriver']['tok_s']:.1f} tok/s, "
         f"odriver {out['odriver']['tok_s']:.1f} tok/s (page size {args.page_size}): ratio {out['ratio']:.2f}"
     )
     return out
@@ -282,6 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")
+    ap.add_argument("--smoke", action="store_true", help="throughput: 128 positions, 16 tokens out (tests)")
     args = ap.parse_args(argv)
     model, tok = load(args.model)
     results = {"model": args.model}
