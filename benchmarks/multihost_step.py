@@ -185,7 +185,7 @@ def child(args) -> None:
     from vsurge.models.sharding import make_mesh
 
     if args.role == "single":
-        from vsurge.engines.dense.vengine import vEngine
+        from vsurge.seed.engines import vEngine
 
         mesh = make_mesh("tp=8")
         model, tok, kw = _engine(args.model, mesh)

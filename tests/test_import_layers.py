@@ -116,4 +116,4 @@ def test_the_core_does_not_import_the_seed():
         for t in sorted(ts)
         if layer_of(t) == "seed" and layer_of(m) not in above
     ] == []
-    assert layer_of("vsurge.seed.surge") == "seed" and layer_of("vsurge.seed_args") != "seed"
+    assert layer_of("vsurge.seed.surge") == layer_of("vsurge.seed.engines") == "seed"

@@ -36,7 +36,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "vsurge.contracts",
             "vsurge.version",
             "vsurge.layers",
-            "vsurge.seed_args",
         ),
     ),
     ("structured", ("vsurge.structured",)),

@@ -26,7 +26,7 @@ from .drivers.active_request import ActiveRequest, ReturnChannel
 from .drivers.dense.vdriver import vDriver
 from .drivers.detokenize import make_decode_fn
 from .drivers.metrics import DriverMetrics, RequestStats
-from .engines.dense.vengine import vEngine
+from .engines.dense.vengine import DenseEngine
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +75,19 @@ class Surge:
         storage: Any = None,
         manager: Any = None,
     ) -> Surge:
-        """The engine and driver ``config.driver`` names (vdriver: one vEngine doing both prefill and
-        decode, driven by a vDriver; odriver: one paged oEngine driven by an oDriver), built from
+        """The engine and driver ``config.driver`` names (vdriver: one dense engine doing both prefill and
+        decode, driven by a vDriver; odriver: one paged engine driven by an oDriver), built from
         ``config``. ``storage`` / ``manager`` (odriver): a PagedAttentionCache / HBMPageManager to use
         instead of new ones."""
         config = config.replace(mesh=_as_mesh(config.mesh))
+        engine = cls._build_engine(model, processor, config, storage, manager)
         if config.driver == "odriver":
             from .drivers.paged.odriver import oDriver
-            from .engines.paged.oengine import oEngine
 
-            engine = oEngine(model, processor, storage, manager, config=config)
             driver = oDriver(
                 engine, detokenizing_blocks=config.detokenizing_blocks, max_queue_size=config.max_queue_size
             )
             return cls(driver, name)
-        engine = vEngine(model, processor, config=config)
         driver = vDriver(
             engine,
             engine,
@@ -98,6 +96,17 @@ class Surge:
             max_queue_size=config.max_queue_size,
         )
         return cls(driver, name)
+
+    @classmethod
+    def _build_engine(
+        cls, model: Any, processor: Any, config: EngineConfig, storage: Any, manager: Any
+    ) -> Any:
+        """The engine ``config.driver`` names (the seed's vSurge builds its vEngine / oEngine instead)."""
+        if config.driver == "odriver":
+            from .engines.paged.oengine import PagedEngine
+
+            return PagedEngine(model, processor, config, storage, manager)
+        return DenseEngine(model, processor, config)
 
     # ------------------------------------------------------------------ properties
     @property

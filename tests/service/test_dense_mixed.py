@@ -117,7 +117,7 @@ def test_plan_chunks_takes_the_shape_that_carries_most_oldest_first():
 def test_prompts_written_in_place_decode_like_the_reference(tiny):
     # Slot 1 decodes (inserted the usual way) while a 50-token prompt goes into slot 0 over several steps
     # and a 3-token prompt into slot 3; all three continue exactly as greedy generation alone.
-    from vsurge.engines.dense.vengine import vEngine
+    from vsurge.seed.engines import vEngine
 
     model, tok = tiny
     engine = vEngine(

@@ -14,9 +14,9 @@ import pytest
 
 import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
-from vsurge.engines.dense.vengine import vEngine
 from vsurge.engines.dense.warmup import longest_first, program_jobs
 from vsurge.models.attention import ChunkAttention, PrefillAttention
+from vsurge.seed.engines import vEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 

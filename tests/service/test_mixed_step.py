@@ -21,10 +21,10 @@ from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.contracts.token_budget import TokenBudget
 from vsurge.drivers.paged.page_scheduler import PageScheduler, Seq
 from vsurge.engines.paged.mixed_step import ChunkWork, plan_chunks
-from vsurge.engines.paged.oengine import oEngine
 from vsurge.engines.paged.paging import HBMPageManager, bytes_per_page, page_hashes
 from vsurge.models import greedy_generate
 from vsurge.models.paged_attention import ragged_paged_attention_xla
+from vsurge.seed.engines import oEngine
 
 
 # ------------------------------------------------------------------------------------------ attention

@@ -153,7 +153,7 @@ def test_prefix_cache_hit_is_exact_and_counted(surge, tiny):
 
 def test_cached_tokens_and_prompt_logprobs_reach_the_caller(surge, tiny):
     # usage.prompt_tokens_details.cached_tokens and prompt_logprobs come with a request's first delta
-    from vsurge.engines.dense.vengine import vEngine
+    from vsurge.seed.engines import vEngine
 
     model, tok = tiny
     prompt = [int(t) for t in np.random.RandomState(9).randint(3, 300, size=50)]

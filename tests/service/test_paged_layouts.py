@@ -21,13 +21,13 @@ from paged_greedy import greedy_steps, greedy_tokens, sharp_checkpoint
 import vsurge
 from vsurge import vSurge
 from vsurge.engines.paged.kernel_fallback import check_kernel
-from vsurge.engines.paged.oengine import oEngine
 from vsurge.engines.paged.paging import PagedAttentionCache, bytes_per_page
 from vsurge.models import greedy_generate
 from vsurge.models import pallas_sharded as ps
 from vsurge.models.kv_layout import fit_kv, kv_layout
 from vsurge.models.paged_attention import PagedDecodeAttention, PagedPrefillAttention, PagedRaggedAttention
 from vsurge.models.sharding import make_mesh
+from vsurge.seed.engines import oEngine
 from vsurge.seed.request import vSurgeRequest
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")

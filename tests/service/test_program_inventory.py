@@ -15,10 +15,8 @@ from flax import nnx
 
 import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
-from vsurge.engines.dense.vengine import vEngine
 from vsurge.engines.dense.warmup import chained
 from vsurge.engines.dense.warmup import program_jobs as dense_jobs
-from vsurge.engines.paged.oengine import oEngine
 from vsurge.engines.paged.programs import program_jobs as paged_jobs
 from vsurge.engines.paged.programs import sampler_rows
 from vsurge.engines.paged.structured_output import structured_jobs as paged_structured_jobs
@@ -26,6 +24,7 @@ from vsurge.engines.program_inventory import programs, state_spec
 from vsurge.models.config import ModelConfig
 from vsurge.models.loader import _read_config, abstract_model
 from vsurge.models.sharding import make_mesh
+from vsurge.seed.engines import oEngine, vEngine
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
 

@@ -21,9 +21,8 @@ MAX_LEN = 64
 def test_the_seed_names_import_from_vsurge():
     from vsurge.drivers.dense.vdriver import vDriver
     from vsurge.drivers.paged.odriver import oDriver
-    from vsurge.engines.dense.vengine import vEngine
-    from vsurge.engines.paged.oengine import oEngine
     from vsurge.engines.paged.paging import HBMPageManager, PagedAttentionCache
+    from vsurge.seed.engines import oEngine, vEngine
     from vsurge.server import vSurgeApiServer
 
     assert (vsurge.vDriver, vsurge.oDriver, vsurge.vEngine, vsurge.oEngine) == (

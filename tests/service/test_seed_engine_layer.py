@@ -23,8 +23,8 @@ from vsurge import (
     SamplingParams,
     vSurge,
 )
-from vsurge.engines.seed_prefix import PagedPrefix
-from vsurge.engines.seed_types import SeedPrefix
+from vsurge.seed.paged_prefix import PagedPrefix
+from vsurge.seed.types import SeedPrefix
 
 MAX_LEN = 64
 STEPS = 5

@@ -63,7 +63,7 @@ def test_plan_moves_brings_the_live_slots_under_the_smallest_bucket():
 
 # ------------------------------------------------------------------------------------------ engine
 def test_a_moved_slot_decodes_on_like_the_reference(tiny_llama):
-    from vsurge.engines.dense.vengine import vEngine
+    from vsurge.seed.engines import vEngine
 
     model, tok = tiny_llama
     engine = vEngine(model, tok, max_concurrent_decodes=8, prefill_lengths=BUCKETS, max_length=MAX_LEN)

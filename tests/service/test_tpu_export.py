@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from vsurge.engines.dense.vengine import GenerationState, vEngine
-from vsurge.engines.paged.oengine import PagedState, oEngine
+from vsurge.engines.dense.vengine import GenerationState
+from vsurge.engines.paged.oengine import PagedState
 from vsurge.engines.program_inventory import Program, programs, state_spec
 from vsurge.models import kernel_tables as kt
 from vsurge.models import pallas_sharded as ps
@@ -39,6 +39,7 @@ from vsurge.models.config import ModelConfig
 from vsurge.models.loader import abstract_model
 from vsurge.models.sharding import make_mesh
 from vsurge.models.target import target_backend
+from vsurge.seed.engines import oEngine, vEngine
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 8 or not ps.kernel_available(),

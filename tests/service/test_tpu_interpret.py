@@ -21,7 +21,6 @@ from paged_greedy import greedy_steps, sharp_checkpoint
 import vsurge
 from vsurge.cli.main import parse_serve_config
 from vsurge.contracts.engine_config import EngineConfig
-from vsurge.engines.paged.oengine import oEngine
 from vsurge.models import pallas_sharded as ps
 from vsurge.models.paged_attention import (
     PagedDecodeAttention,
@@ -31,6 +30,7 @@ from vsurge.models.paged_attention import (
     use_pallas,
 )
 from vsurge.models.sharding import make_mesh
+from vsurge.seed.engines import oEngine
 
 MESHES = ["tp=1", "tp=2", "tp=4", "tp=8", "dp=2,tp=4"]
 # kv_heads=8 so tp=8 splits them; head_dim=128 so the shapes are ones the TPU kernel takes

@@ -176,10 +176,7 @@ class EngineBase:
             config.max_prefill_length,
             default_max_prefill=driver_default("max_prefill_length", config.driver),
         )
-        self.batch_size = self.max_concurrent_decodes  # the seed's batch size: the decode batch
-        self.samples_per_slot = 1
         self.num_top_logprobs = config.num_top_logprobs
-        self.prng_key = jax.random.PRNGKey(config.seed)
         # the LoRA bank is part of the model's state when asked for, and absent otherwise (models/lora.py)
         if config.enable_lora:
             attach_bank(model, config.max_loras, config.max_lora_rank)

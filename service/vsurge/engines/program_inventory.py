@@ -30,7 +30,7 @@ from .dense.vengine import GenerationState
 from .dense.warmup import chained, structured_jobs
 from .dense.warmup import program_jobs as dense_jobs
 from .example_args import GREEDY, abstract, sds
-from .paged.oengine import PagedState, oEngine
+from .paged.oengine import PagedEngine, PagedState
 from .paged.programs import program_jobs as paged_jobs
 from .paged.programs import sampler_rows
 from .paged.structured_output import structured_jobs as paged_structured_jobs
@@ -75,7 +75,7 @@ def state_spec(engine: Any) -> Any:
         prompt_mask=sds((s, v), np.bool_, rep),
         sampling=abstract(rows, rep),
     )
-    if isinstance(engine, oEngine):
+    if isinstance(engine, PagedEngine):
         storage = engine.storage
         pages = jax.tree.map(lambda sh: sds(storage.page_shape, storage.dtype, sh), storage.layer_shardings())
         return PagedState(pages=pages, **fields)
@@ -115,7 +115,7 @@ def programs(engine: Any) -> list[Program]:
     Nothing is allocated but small host inputs, nothing compiled or traced until a program's ``args``
     are read; read them inside `tpu_lowering.targeting` to lower for that TPU."""
     state = state_spec(engine)
-    if not isinstance(engine, oEngine):
+    if not isinstance(engine, PagedEngine):
         return _dense_programs(engine, state)
     rep = engine._replicated()
     inputs = abstract(engine.seq_inputs(GREEDY, [], np.zeros(2, np.uint32), [0]))

@@ -188,14 +188,14 @@ def worker_setattr(engine: Any, name: str, value: Any) -> None:
 
 
 def build_engine(model: Any, processor: Any, config: Any) -> Any:
-    """The engine config.driver names, as vSurge.create builds it."""
+    """The engine config.driver names, as Surge.from_config builds it."""
     if config.driver == "odriver":
-        from ..engines.paged.oengine import oEngine
+        from ..engines.paged.oengine import PagedEngine
 
-        return oEngine(model, processor, config)
-    from ..engines.dense.vengine import vEngine
+        return PagedEngine(model, processor, config)
+    from ..engines.dense.vengine import DenseEngine
 
-    return vEngine(model, processor, config)
+    return DenseEngine(model, processor, config)
 
 
 def engine_setup(engine: Any, config: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..contracts.request import GenerationRequest, vSurgeMetadata
 from ..contracts.sampling_params import SamplingParams
-from ..seed_args import default, given
+from .args import default, given
 
 # The seed's vSurgeRequest samples at temperature 0.7 unless told otherwise; SamplingParams (and so the HTTP
 # API) keeps OpenAI's 1.0. Only these differ.

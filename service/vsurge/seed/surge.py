@@ -2,7 +2,7 @@
 
 `create_vdriver` / `create_odriver` take the seed's arguments in the seed's order over a ``config`` (an
 EngineConfig; default: every default), then any other EngineConfig knob by keyword; an argument left at
-its default keeps the config's value (seed_args.py). The core (`Surge.from_config`) takes the config alone.
+its default keeps the config's value (args.py). The core (`Surge.from_config`) takes the config alone.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 from ..contracts.engine_config import DEFAULT_SEED, EngineConfig
 from ..contracts.request import ReturnSample
 from ..contracts.stream_steps import merge_steps
-from ..seed_args import default, seed_engine_config
 from ..surge import Surge
+from .args import default, seed_engine_config
 
 
 class vSurge(Surge):  # noqa: N801 - the seed's name
@@ -26,6 +26,16 @@ class vSurge(Surge):  # noqa: N801 - the seed's name
         return self.name
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def _build_engine(
+        cls, model: Any, processor: Any, config: EngineConfig, storage: Any, manager: Any
+    ) -> Any:
+        from .engines import oEngine, vEngine  # the seed's engine classes: its steps beside the core's
+
+        if config.driver == "odriver":
+            return oEngine(model, processor, storage, manager, config=config)
+        return vEngine(model, processor, config=config)
+
     @classmethod
     def create(
         cls,

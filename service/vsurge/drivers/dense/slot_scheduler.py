@@ -21,7 +21,7 @@ import numpy as np
 
 from ...engines.dense.slot_moves import plan_moves
 from ...engines.dense.speculative import worth_verifying
-from ...engines.dense.vengine import vEngine
+from ...engines.dense.vengine import DenseEngine
 from ...structured.slots import SlotGrammars
 from ..active_request import ActiveRequest
 from ..pipeline import Lane, Pipeline, StepLoop, drain
@@ -44,7 +44,7 @@ class SlotOwner:
 class DenseSlots:
     """One decode engine's slots and its step planning: vDriver's Stepper (pipeline.py)."""
 
-    def __init__(self, pipeline: Pipeline, engine: vEngine, lane: Lane, may_prefill: threading.Event):
+    def __init__(self, pipeline: Pipeline, engine: DenseEngine, lane: Lane, may_prefill: threading.Event):
         self.pipeline, self.engine, self.lane = pipeline, engine, lane
         # set once per step: in interleaved mode the driver's prefill thread waits for it
         self.may_prefill = may_prefill

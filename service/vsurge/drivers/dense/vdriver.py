@@ -29,7 +29,7 @@ from typing import Any
 
 from ...contracts.engine_config import EngineConfig
 from ...engines.dense.prefill_rows import first_fit
-from ...engines.dense.vengine import vEngine
+from ...engines.dense.vengine import DenseEngine
 from ..active_request import ActiveRequest
 from ..lora_adapters import adapters_for, left, lora_figures, pin_request, submit_request
 from ..metrics import DriverMetrics
@@ -68,8 +68,8 @@ class vDriver:  # noqa: N801 - the seed's name
 
     def __init__(
         self,
-        prefill_engines: list[vEngine] | vEngine | None = None,
-        decode_engines: list[vEngine] | vEngine | None = None,
+        prefill_engines: list[DenseEngine] | DenseEngine | None = None,
+        decode_engines: list[DenseEngine] | DenseEngine | None = None,
         interleaved_mode: bool = _DEFAULTS.interleaved_mode,
         detokenizing_blocks: int = _DEFAULTS.detokenizing_blocks,
         max_queue_size: int = _DEFAULTS.max_queue_size,
@@ -111,7 +111,7 @@ class vDriver:  # noqa: N801 - the seed's name
         return self._decode_engines[0].processor
 
     @property
-    def engines(self) -> list[vEngine]:
+    def engines(self) -> list[DenseEngine]:
         return list(dict.fromkeys(self._prefill_engines + self._decode_engines))
 
     @property
@@ -193,7 +193,7 @@ class vDriver:  # noqa: N801 - the seed's name
             s.abort_left()
 
     # ------------------------------------------------------------------ prefill and transfer threads
-    def _admit_prefill(self, engine: vEngine, req: ActiveRequest) -> bool:
+    def _admit_prefill(self, engine: DenseEngine, req: ActiveRequest) -> bool:
         """False when the request ends here (cancelled, or a prompt this engine cannot prefill)."""
         if req.cancelled:
             self.pipeline.finish(req, "abort")
@@ -205,7 +205,7 @@ class vDriver:  # noqa: N801 - the seed's name
             return False
         return True
 
-    def _take_batch(self, engine: vEngine, carry: collections.deque[ActiveRequest]) -> list[ActiveRequest]:
+    def _take_batch(self, engine: DenseEngine, carry: collections.deque[ActiveRequest]) -> list[ActiveRequest]:
         """The requests of the next prefill call: what is waiting (``carry`` first: taken from the queue
         but left out of the last call) that fits one call: one row of prefill_pack_tokens, or, when
         prompts queue up, several such rows (a longer prompt goes alone: filling its bucket's padding with
@@ -267,7 +267,7 @@ class vDriver:  # noqa: N801 - the seed's name
             batch = [r for r, w in zip(batch, where, strict=True) if w < full]
         return batch
 
-    def _prefill_loop(self, engine: vEngine) -> None:
+    def _prefill_loop(self, engine: DenseEngine) -> None:
         if self._mixed:
             self._feed_loop(engine)
             return
@@ -284,7 +284,7 @@ class vDriver:  # noqa: N801 - the seed's name
         for req in batch + list(carry):
             self.pipeline.finish(req, "abort")
 
-    def _feed_loop(self, engine: vEngine) -> None:
+    def _feed_loop(self, engine: DenseEngine) -> None:
         """Mixed steps: a prompt the decode steps prefill in place goes straight to the lane with the most
         room; the others (prefilled_in_step False) are prefilled here, one per call."""
         p = self.pipeline
@@ -309,7 +309,7 @@ class vDriver:  # noqa: N801 - the seed's name
             else:
                 p.finish(req, "abort")
 
-    def _prefill_batch(self, engine: vEngine, batch: list[ActiveRequest]) -> bool:
+    def _prefill_batch(self, engine: DenseEngine, batch: list[ActiveRequest]) -> bool:
         """Prefill one pack and hand it to the transfer thread; False when stopping (the batch is not
         handed off and the caller aborts it)."""
         p = self.pipeline

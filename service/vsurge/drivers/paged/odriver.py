@@ -36,7 +36,7 @@ import numpy as np
 from ...contracts.engine_config import EngineConfig
 from ...engines.host_arrays import put_host
 from ...engines.paged.mixed_step import ChunkWork
-from ...engines.paged.oengine import oEngine
+from ...engines.paged.oengine import PagedEngine
 from ...engines.paged.paging import page_hashes
 from ..active_request import ActiveRequest
 from ..lora_adapters import adapters_for, left, lora_figures, pin_request, submit_request
@@ -56,7 +56,7 @@ class PagedSteps:
     def __init__(self, driver: oDriver, lane: Lane):
         self.driver, self.lane = driver, lane
         self.pipeline = driver.pipeline
-        self.engine: oEngine = driver.engine
+        self.engine: PagedEngine = driver.engine
         self.sched: PageScheduler = driver.scheduler
         self.requeue: queue.SimpleQueue[Seq] = driver._requeue
         self._table: jax.Array | None = None  # the page table on the device, re-sent when it changes
@@ -227,7 +227,7 @@ class oDriver:  # noqa: N801 - the seed's name
 
     def __init__(
         self,
-        engine: oEngine,
+        engine: PagedEngine,
         detokenizing_blocks: int = _DEFAULTS.detokenizing_blocks,
         max_queue_size: int = _DEFAULTS.max_queue_size,
     ):
@@ -250,11 +250,11 @@ class oDriver:  # noqa: N801 - the seed's name
         return f"odriver-{self._engine.model_name}"
 
     @property
-    def engine(self) -> oEngine:
+    def engine(self) -> PagedEngine:
         return self._engine
 
     @property
-    def engines(self) -> list[oEngine]:
+    def engines(self) -> list[PagedEngine]:
         return [self._engine]
 
     @property

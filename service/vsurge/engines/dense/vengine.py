@@ -1,4 +1,4 @@
-"""vEngine: one dense KV row per decode slot.
+"""DenseEngine (the core of vEngine): one dense KV row per decode slot.
 
 State lives on the device and is donated to every jitted step, so the cache is updated in place.
 Prefill is padded to `prefill_lengths` buckets; decode covers the leading slots up to the highest live
@@ -18,9 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...contracts.engine_config import DEFAULT_SEED, EngineConfig
+from ...contracts.engine_config import EngineConfig
 from ...contracts.sampling_params import SamplingParams
-from ...seed_args import ENGINE_ARGS, default, seed_engine_config
 from ..aot_program import program
 from ..chunked_prefill import ChunkedPrefill
 from ..engine_base import EngineBase, resolve_token_budget
@@ -31,8 +30,6 @@ from ..sampling import (
     make_slot_sampling,
 )
 from ..sampling.state import prompt_mask_words
-from ..seed_dense import DenseSeedLayer
-from ..seed_layer import seed_forms
 from .bf16_weights import bf16_kernels, decode_weights
 from .decode_block import DecodeBlocks
 from .layered_prefill import LayeredPrefill
@@ -57,30 +54,11 @@ from .warmup import compile_engine, warm_structured
 log = logging.getLogger(__name__)
 
 
-@seed_forms  # the seed's prefill / decode / insert / bulk_insert beside ours (seed_dense.py)
-class vEngine(DenseCache, DenseSeedLayer, EngineBase):  # noqa: N801 - the seed's name
-    """Dense-cache engine: prefill, insert into a slot, decode all slots, free a slot."""
+class DenseEngine(DenseCache, EngineBase):
+    """Dense-cache engine: prefill, insert into a slot, decode all slots, free a slot. The public vEngine
+    (vsurge/seed/engines.py) is this with the seed's constructor and steps."""
 
-    def __init__(
-        self,
-        model: Any,
-        processor: Any,
-        max_concurrent_decodes: int | None = None,
-        max_concurrent_prefill: int | None = None,
-        prefill_lengths: Sequence[int] | int | None = None,
-        max_prefill_length: int | None = None,
-        max_length: int | None = None,
-        batch_size: int | None = None,
-        seed: int = default(DEFAULT_SEED),
-        *,
-        config: EngineConfig | None = None,
-        **kw: Any,
-    ):
-        """The seed's arguments, in the seed's order, over ``config`` (an EngineConfig; default: every
-        default), then the keyword options applied (``vEngine(model, tok, 4, max_length=300)``); an
-        argument left at its default keeps the config's value (seed_args.py)."""
-        seed_values = {k: v for k, v in locals().items() if k in ENGINE_ARGS}  # the seed's, as passed
-        config = seed_engine_config(config, "vdriver", seed_values, kw, third=max_concurrent_decodes)
+    def __init__(self, model: Any, processor: Any, config: EngineConfig):
         # smallest_rows=1: one live row: XLA:CPU's matrix-vector path is ~25% faster than 4 rows
         self._setup(model, processor, config, smallest_rows=1)
         num_top_logprobs = self.num_top_logprobs

@@ -1,4 +1,5 @@
-"""oEngine: the model over a paged KV cache (PagedAttentionCache + HBMPageManager).
+"""PagedEngine (the core of oEngine): the model over a paged KV cache (PagedAttentionCache and
+HBMPageManager).
 
 Jitted programs, each taking the pages (or the whole decode state) donated so they update in place:
 
@@ -37,16 +38,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ...contracts.engine_config import DEFAULT_SEED, EngineConfig
+from ...contracts.engine_config import EngineConfig
 from ...contracts.sampling_params import SamplingParams
 from ...models.pallas_sharded import configure as configure_attention
 from ...models.target import target_backend
-from ...seed_args import ENGINE_ARGS, default, seed_engine_config
 from ..engine_base import EngineBase, _doubling, compile_jobs, decode_buckets, resolve_token_budget
 from ..host_arrays import put_host
 from ..sampling import DEFAULT_MAX_STOP_IDS, SampleResult, SlotSampling, make_slot_sampling
-from ..seed_layer import seed_forms
-from ..seed_paged import PagedSeedLayer
 from .kernel_fallback import compile_with_fallback
 from .mixed_step import ChunkWork, MetaLayout, mixed_forward, pack_meta, seat_chunk
 from .paging import HBMPageManager, PagedAttentionCache
@@ -81,33 +79,20 @@ def page_buckets(max_length: int, page_size: int, smallest_tokens: int = 128) ->
     return sorted({-(-n // page_size) for n in decode_buckets(max_length, smallest_tokens)})
 
 
-@seed_forms  # the seed's decode beside ours, forward, prefill / insert, free_resource (seed_paged.py)
-class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
-    """Paged-cache engine: chunked prefill into pages, decode over page tables."""
+class PagedEngine(EngineBase):
+    """Paged-cache engine: chunked prefill into pages, decode over page tables. The public oEngine
+    (vsurge/seed/engines.py) is this with the seed's constructor and steps."""
 
     def __init__(
         self,
         model: Any,
         processor: Any,
+        config: EngineConfig,
         storage: PagedAttentionCache | None = None,
         manager: HBMPageManager | None = None,
-        max_concurrent_decodes: int | None = None,
-        max_concurrent_prefill: int | None = None,
-        prefill_lengths: Sequence[int] | int | None = None,
-        max_prefill_length: int | None = None,
-        max_length: int | None = None,
-        batch_size: int | None = None,
-        seed: int = default(DEFAULT_SEED),
-        *,
-        config: EngineConfig | None = None,
-        **kw: Any,
     ):
-        """The seed's arguments in the seed's order over ``config`` (an EngineConfig), then the keyword
-        options, as vEngine's; ``storage`` / ``manager``: a cache and page manager to use instead of new
-        ones (None: made here)."""
-        seed_values = {k: v for k, v in locals().items() if k in ENGINE_ARGS}  # the seed's, as passed
-        config = seed_engine_config(config, "odriver", seed_values, kw, third=storage)
-        storage = None if isinstance(storage, EngineConfig) else storage
+        """``storage`` / ``manager``: a cache and page manager to use instead of new ones (None: made
+        here)."""
         cfg = model.config
         # the largest bucket is the largest chunk; longer prompts are prefilled in several chunks
         self._setup(model, processor, config)
@@ -208,7 +193,7 @@ class oEngine(PagedSeedLayer, EngineBase):  # noqa: N801 - the seed's name
             partial(seat_chunk, seat=partial(seat, num_top=num_top_logprobs, shardings=shardings)),
             donate_argnums=(0,),
         )
-        # the seed layer's prefill / insert (seed_prefix.py): the seat's two parts apart; first call compiles
+        # the seed layer's prefill / insert (seed/paged_prefix.py): the seat's two parts apart; first call compiles
         self._first = jax.jit(partial(first_of_chunk, num_top=num_top_logprobs, shardings=shardings))
         self._place = jax.jit(partial(place, shardings=shardings), donate_argnums=(0,))
         # structured output: the samplers under token masks, compiled by warm_structured only

@@ -10,7 +10,7 @@ engine's token budget); a slot's first token comes from the step that runs its p
 
 The seed's other way in: `prefill` writes prompts into pages of the latest batch (`init_sequence_batch`)
 with the same mixed step, not yet in any slot, and returns a prefix holding those pages and the first
-tokens; `insert` / `bulk_insert` hand its pages to slots (`seat`), no KV moves (seed_prefix.py). Sampling
+tokens; `insert` / `bulk_insert` hand its pages to slots (`seat`), no KV moves (paged_prefix.py). Sampling
 keys are per sequence (``admit``'s key, prefill's ``rngs``), so ``rngs`` of `decode` is not used.
 """
 
@@ -24,10 +24,10 @@ import jax
 import numpy as np
 
 from ..contracts.sampling_params import SamplingParams
-from .paged.mixed_step import ChunkWork
-from .seed_layer import SeedEngineLayer, host_key
-from .seed_prefix import PagedPrefix, insert_prefixes, prefill_prefix
-from .seed_types import ModelOutputBatch, NextIterationPlan, ResultTokens
+from ..engines.paged.mixed_step import ChunkWork
+from .engine_layer import SeedEngineLayer, host_key
+from .paged_prefix import PagedPrefix, insert_prefixes, prefill_prefix
+from .types import ModelOutputBatch, NextIterationPlan, ResultTokens
 
 __all__ = ["ActiveSequenceBatch", "PagedSeedLayer"]
 
@@ -230,7 +230,7 @@ class PagedSeedLayer(SeedEngineLayer):
         """Prefill one prompt (``tokens`` [L]) or a batch ([B, L]) into pages of the latest
         `init_sequence_batch` with the mixed step, and sample each first token with ``rngs``: (a
         PagedPrefix for `insert` / `bulk_insert`, the first tokens as ResultTokens, one row per prompt).
-        See seed_prefix.py; the prefix's pages return when it is dropped uninserted, or with
+        See paged_prefix.py; the prefix's pages return when it is dropped uninserted, or with
         ``prefix.free()``."""
         self._check_weights(graphstate, graphothers)
         if self._seed_batch is None:

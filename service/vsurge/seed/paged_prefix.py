@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..contracts.sampling_params import SamplingParams
-from .paged.mixed_step import ChunkWork, plan_chunks
-from .seed_dense import prompt_ids
-from .seed_layer import host_key
-from .seed_types import ResultTokens
+from ..engines.paged.mixed_step import ChunkWork, plan_chunks
+from .dense import prompt_ids
+from .engine_layer import host_key
+from .types import ResultTokens
 
 __all__ = ["PagedPrefix", "insert_prefixes", "prefill_prefix"]
 
@@ -113,7 +113,7 @@ def _per_row(x: Any, b: int, name: str) -> np.ndarray:
 
 
 def _prompts(tokens: Any, valids: Any, true_length: Any) -> list[list[int]]:
-    """The prompts of ``tokens`` [L] or [B, L] (see seed_dense.prompt_ids, per row)."""
+    """The prompts of ``tokens`` [L] or [B, L] (see dense.prompt_ids, per row)."""
     toks = np.asarray(tokens)
     toks = toks.reshape(1, -1) if toks.ndim < 2 else toks
     if toks.ndim != 2:

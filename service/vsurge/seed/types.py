@@ -2,7 +2,7 @@
 slot), the prefix a dense `prefill` hands to `insert`, and the paged engine's ActiveSequenceBatch,
 NextIterationPlan and ModelOutputBatch (what `oEngine.forward` steps, runs and returns).
 
-These are the seed API's shapes over the engines' real steps (seed_dense.py, seed_paged.py); the drivers
+These are the seed API's shapes over the engines' real steps (dense.py, paged.py); the drivers
 never use them.
 """
 

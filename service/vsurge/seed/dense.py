@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..contracts.sampling_params import SamplingParams
-from .seed_layer import SeedEngineLayer, host_key
-from .seed_types import ResultTokens, SeedPrefix
+from .engine_layer import SeedEngineLayer, host_key
+from .types import ResultTokens, SeedPrefix
 
 __all__ = ["DenseSeedLayer", "prompt_ids"]
 

@@ -5,7 +5,7 @@ keep its name for both the seed's call form and the engine's own.
 The engines' own steps (what the drivers run) keep their signatures; where the seed uses the same name
 with other arguments (`vEngine.decode(graphstate, graphothers, state, rngs)` beside the driver's
 `decode(decode_state)`), `seed_forms` wraps the method so that a call in the seed's form runs the seed
-layer (seed_dense.py, seed_paged.py) and any other call runs the engine's method untouched.
+layer (dense.py, paged.py) and any other call runs the engine's method untouched.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ FormTest = Callable[[tuple, dict], bool]
 class SeedEngineLayer:
     """Mixin of vEngine and oEngine (first in their bases, so its properties take effect)."""
 
-    # Set by EngineBase._setup as plain attributes; declared here because the seed's engines have them
+    # Set by EngineBase._setup and _seed_setup as plain attributes; declared here because the seed's engines have them
     # (protocols.AbstractInferenceEngine reads declarations).
     batch_size: int | None  # the decode batch (max_concurrent_decodes), as the seed's batch_size sets it
     samples_per_slot: int
@@ -40,6 +40,12 @@ class SeedEngineLayer:
 
     # name -> (is this call the seed's form?, the seed layer's method): read by seed_forms
     _seed_forms: dict[str, tuple[FormTest, str]] = {}
+
+    def _seed_setup(self) -> None:
+        """The seed's attributes, once the core engine is built."""
+        self.batch_size = self.max_concurrent_decodes  # the seed's batch size: the decode batch
+        self.samples_per_slot = 1
+        self.prng_key = jax.random.PRNGKey(self.engine_config.seed)
 
     @property
     def prng_key(self) -> jax.Array:
@@ -89,7 +95,7 @@ def seed_forms(cls: type) -> type:
     method. The signature shown is the seed's (the one the seed documents); the engine's own form is in
     the docstring and at ``.engine_method``."""
     for name, (test, seed_name) in cls._seed_forms.items():
-        own = cls.__dict__[name]
+        own = getattr(cls, name)  # the core engine's method (cls is the seed's subclass of it)
         seed = getattr(cls, seed_name)
         setattr(cls, name, _dispatch(name, own, seed, test))
     return cls

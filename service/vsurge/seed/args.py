@@ -77,7 +77,7 @@ def seed_engine_config(
     ``third``: the value in the third positional slot. An EngineConfig there (the signature before the
     seed's order was restored, `vEngine(model, tok, cfg)`) is taken as ``config``.
     """
-    from .contracts.engine_config import EngineConfig
+    from ..contracts.engine_config import EngineConfig
 
     if isinstance(third, EngineConfig):
         if config is not None:
