@@ -1,7 +1,7 @@
 """Structured output's cost on a shared batch: output tok/s of C concurrent requests with 0%, 50% and 100%
 JSON-schema-constrained, side by side in one process, and the host's mask time per slot and step.
 
-    .venv/bin/python benchmarks/structured_bench.py [--concurrency 32] [--max-tokens 64] [--rounds 1]
+    .venv/bin/python benchmarks/structured_bench.py [--concurrency 32] [--max-tokens 64] [--rounds 1] [--model M]
 
 The default model (SmolLM2-135M-Instruct) on the vdriver; unconstrained requests ignore EOS so that every
 request writes about max_tokens tokens; the schema's bounded fields make the constrained ones about as long.
@@ -67,8 +67,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--model", default="default")
     args = ap.parse_args()
-    model, tok = vsurge.load_model("default")
+    model, tok = vsurge.load_model(args.model)
     surge = vSurge.create_vdriver(
         model, tok, max_concurrent_decodes=args.concurrency, max_length=512, prefill_lengths=[64, 128, 256]
     )
