@@ -127,24 +127,35 @@ def _patch_launcher(model_dir: str) -> None:
 
     cmd = _env_json("VSURGE_API_TESTS_CMD", None)
     if not cmd:
-        raise RuntimeError("VSURGE_API_TESTS_CMD is not set: run this plugin through benchmarks/vllm_api_tests.py")
+        raise RuntimeError(
+            "VSURGE_API_TESTS_CMD is not set: run this plugin through benchmarks/vllm_api_tests.py"
+        )
     logs = os.environ.get("VSURGE_API_TESTS_LOGS") or tempfile.mkdtemp(prefix="vsurge-api-tests-")
     extra = _env_json("VSURGE_API_TESTS_SERVE_ARGS", [])
     counter = {"n": 0}
 
-    def start_server(self: Any, model: str, vllm_serve_args: list[str], env_dict: dict[str, str] | None) -> None:
+    def start_server(
+        self: Any, model: str, vllm_serve_args: list[str], env_dict: dict[str, str] | None
+    ) -> None:
         args, dropped = translate(model, vllm_serve_args)
         env = os.environ.copy()
         env.pop("PYTHONPATH", None)  # vLLM's test tree must not shadow the server's modules
         env.update(env_dict or {})
         counter["n"] += 1
         log_path = os.path.join(logs, f"server-{os.getpid()}-{counter['n']}.log")  # one pytest per file
-        argv = [*cmd, "serve", "--model", model_dir, *args, *extra]
+        # the served model linked under the test's model name (a local copy of that hub id), so the model
+        # card's root is the name the test gave, as vLLM answers
+        links = tempfile.mkdtemp(prefix="vsurge-api-tests-models-")
+        os.makedirs(os.path.join(links, os.path.dirname(model)), exist_ok=True)
+        os.symlink(model_dir, os.path.join(links, model))
+        argv = [*cmd, "serve", "--model", model, *args, *extra]
         log = open(log_path, "w")  # noqa: SIM115 - the server writes to it for as long as it runs
         log.write(f"# {' '.join(argv)}\n# vLLM flags without a vSurge meaning, dropped: {dropped}\n")
         log.flush()
         print(f"[vsurge] {' '.join(argv)} (log: {log_path}; dropped: {dropped})", file=sys.stderr)
-        self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=links, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def wait_for_server(self: Any, *, url: str, timeout: float) -> None:
         # vLLM listens only once its engine runs, so its /health answering means ready; vsurge serve answers
@@ -199,7 +210,9 @@ def _patch_adapters(model_dir: str) -> None:
 def pytest_configure(config: Any) -> None:
     model_dir = os.environ.get("VSURGE_API_TESTS_MODEL")
     if not model_dir:
-        raise RuntimeError("VSURGE_API_TESTS_MODEL is not set: run this plugin through benchmarks/vllm_api_tests.py")
+        raise RuntimeError(
+            "VSURGE_API_TESTS_MODEL is not set: run this plugin through benchmarks/vllm_api_tests.py"
+        )
     root = str(config.rootpath)
     if root not in sys.path:
         sys.path.insert(0, root)

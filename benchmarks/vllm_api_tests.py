@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         VLLM_TARGET_DEVICE="cpu",
     )
     base = [py, "-m", "pytest", "-p", "vllm_api_plugin", "-p", "no:cacheprovider", "-rA", "-q"]
-    base += ["--timeout", str(args.timeout)]
+    # the limit is the test's own: a module's server starts in its fixture, which may compile for minutes
+    base += ["--timeout", str(args.timeout), "-o", "timeout_func_only=true"]
     # one pytest per file: each file starts its own server anyway, and its results are in when it ends
     runs = [args.pytest_args] if args.pytest_args else [[f] for f in SELECTION]
     print(f"# in {src}, server logs in {logs}", flush=True)
