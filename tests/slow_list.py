@@ -23,6 +23,18 @@ SLOW: dict[str, str] = {
     "tests/service/test_gguf_tokenizer.py::test_encode_equals_transformers_without_digits": "7 s",
     "tests/service/test_device_check.py::test_reduced_run": "21 s: the whole device benchmark, reduced",
     "tests/service/test_tpu_bench.py::test_tiny_shape_on_cpu": "60 s: the whole TPU benchmark, tiny shape",
+    # the benchmark entry points that compile an engine or load a model or tokenizer, smallest run in a
+    # subprocess (tests/service/test_benchmarks_run.py; seconds at load ~10 on the 2-core machine)
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[engine]": "119 s",
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[host_overhead]": "156 s",
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[lora]": "278 s",
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[model_sources]": "95 s",
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[paged]": "420 s",
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[sampling_bench]": "40 s",
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[speculative]": "26 s",
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[step_breakdown]": "100 s",
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[structured_bench]": "130 s",
+    "tests/service/test_benchmarks_run.py::test_entry_point_runs[structured_mask_bench]": "45 s",
     # TPU lowering: the 1-chip programs of each driver stay quick; the 8-chip and 8B variants are slow
     "tests/service/test_tpu_export.py::test_each_kind_of_program_lowers_for_tpu[smollm2-135m-vdriver-8chips]": "21 s",
     "tests/service/test_tpu_export.py::test_each_kind_of_program_lowers_for_tpu[smollm2-135m-vdriver+features-8chips]": "19 s",
