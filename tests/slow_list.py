@@ -53,6 +53,10 @@ SLOW: dict[str, str] = {
     # the step lane: subprocess groups that wait out a lane timeout
     "tests/service/test_multihost_lane.py::test_a_slow_leader_is_waited_for_while_it_beats": "17 s",
     "tests/service/test_multihost_lane.py::test_the_worker_replays_every_call_and_a_silent_worker_breaks_the_lane": "10 s",
+    "tests/service/test_multihost_lane.py::test_a_failed_group_answers_503_engine_unavailable": "30 s: a lane "
+    "pair's two engines and a server, then 15 s of silence at the suite's 30 s bound",
+    # the step histograms on the paged driver: a second engine compiles (vDriver's stay in the quick loop)
+    "tests/server/test_server_profiling.py::test_odriver_steps_are_timed_by_kind": "10 s",
     "tests/service/test_multihost.py::test_a_start_up_error_on_any_process_ends_the_whole_group[worker]": "6 s",
     "tests/service/test_multihost_lora.py::test_adapters_on_a_group_make_the_single_process_tokens": "61 s: a "
     "two-process group serving --lora adapters (88 s with a cold compilation cache)",
