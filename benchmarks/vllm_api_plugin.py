@@ -15,7 +15,8 @@ vSurge: the server is a subprocess. What it changes, and why each change keeps t
 
 Configured by the launcher through the environment: VSURGE_API_TESTS_CMD (the server's argv prefix, JSON),
 VSURGE_API_TESTS_MODEL (a Hugging Face directory both sides read), VSURGE_API_TESTS_LOGS (a directory for
-the servers' output), VSURGE_API_TESTS_SERVE_ARGS (more serve flags, JSON).
+the servers' output), VSURGE_API_TESTS_SERVE_ARGS (more serve flags, JSON), VSURGE_API_TESTS_MAX_CONTEXT (a
+cap on the tests' --max-model-len), VSURGE_API_TESTS_START_S (how long a server may take to be ready).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def translate(model_name: str, vllm_args: list[str]) -> tuple[list[str], list[st
             else:
                 dropped += [flag, value]
         elif flag == "--max-model-len" and value is not None:
-            out += ["--max-length", value]
+            cap = int(os.environ.get("VSURGE_API_TESTS_MAX_CONTEXT") or 0)
+            out += ["--max-length", str(min(int(value), cap) if cap else int(value))]
         elif flag == "--served-model-name" and value is not None:
             out[1] = value
         elif flag == "--lora-modules":

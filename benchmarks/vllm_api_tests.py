@@ -50,14 +50,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-src", required=True, help="a vLLM source tree (with tests/)")
     ap.add_argument("--vllm-python", help="Python with vLLM and pytest installed (default: $PEERS/vllm-venv)")
-    ap.add_argument("--model", help="Hugging Face model directory to serve (default: the default model's copy)")
+    ap.add_argument(
+        "--model", help="Hugging Face model directory to serve (default: the default model's copy)"
+    )
     ap.add_argument("--junit", help="write pytest's JUnit XML here (OUT-N.xml per file of the selection)")
     ap.add_argument("--logs", help="directory for the servers' logs (default: a new temporary one)")
     ap.add_argument("--timeout", type=int, default=600, help="per-test limit in seconds (pytest-timeout)")
-    ap.add_argument("--serve-arg", action="append", default=[], help="one more `vsurge serve` flag (repeatable)")
+    ap.add_argument(
+        "--max-context",
+        type=int,
+        help="cap the tests' --max-model-len (their 8192 makes a CPU start take far longer; the tests that "
+        "read max_model_len then fail)",
+    )
+    ap.add_argument(
+        "--serve-arg", action="append", default=[], help="one more `vsurge serve` flag (repeatable)"
+    )
     ap.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (default: the selection)")
     args = ap.parse_args(argv)
-    py = args.vllm_python or os.path.join(os.environ.get("PEERS", os.path.expanduser("~/peers")), "vllm-venv/bin/python")
+    py = args.vllm_python or os.path.join(
+        os.environ.get("PEERS", os.path.expanduser("~/peers")), "vllm-venv/bin/python"
+    )
     src = os.path.abspath(args.vllm_src)
     logs = args.logs or tempfile.mkdtemp(prefix="vsurge-api-tests-")
     os.makedirs(logs, exist_ok=True)
@@ -67,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         VSURGE_API_TESTS_MODEL=os.path.abspath(args.model or default_model()),
         VSURGE_API_TESTS_LOGS=logs,
         VSURGE_API_TESTS_SERVE_ARGS=json.dumps(args.serve_arg),
+        VSURGE_API_TESTS_MAX_CONTEXT=str(args.max_context or ""),
         PYTHONPATH=HERE,  # the plugin; vLLM's tests find their own package from the rootdir
         HF_HUB_OFFLINE="1",  # every model and tokenizer the run needs is local
         VLLM_TARGET_DEVICE="cpu",
@@ -87,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {' '.join(cmd)}", flush=True)
         worst = max(worst, subprocess.call(cmd, cwd=src, env=env))
     return worst
+
 
 if __name__ == "__main__":
     sys.exit(main())
