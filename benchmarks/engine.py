@@ -52,7 +52,7 @@ def run_requests(surge, prompts, outputs, max_in_flight: int) -> tuple[float, in
     max_in_flight at once; returns (seconds, generated tokens, ttfts)."""
     import asyncio
 
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
 
     counts = [0] * len(prompts)
     ttft = [0.0] * len(prompts)

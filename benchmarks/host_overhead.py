@@ -231,7 +231,7 @@ def device_step(engine: Any, slots: int, steps: int = 20) -> tuple[float, float]
 
 def serve_run(surge: Any, tok: Any, slots: int, tokens: int) -> dict[str, float]:
     """Every slot streams `tokens` tokens through vSurge.complete; chunks framed as the server does."""
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
     from vsurge.server.shaping import ChunkWriter, TokenDecoder
 
     decode = TokenDecoder(tok)

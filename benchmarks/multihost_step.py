@@ -185,7 +185,7 @@ def child(args) -> None:
     from vsurge.models.sharding import make_mesh
 
     if args.role == "single":
-        from vsurge.seed.engines import vEngine
+        from vsurge.seed_api.engines import vEngine
 
         mesh = make_mesh("tp=8")
         model, tok, kw = _engine(args.model, mesh)

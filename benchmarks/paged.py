@@ -60,7 +60,7 @@ def build(model, tok, driver: str, **kw):
 
 
 def request(prompt, max_tokens):
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
 
     return vSurgeRequest(
         prompt=[int(x) for x in prompt],

@@ -65,7 +65,7 @@ def streams(surge: Any, requests: list[Any]) -> tuple[float, int, list[list[tupl
 
 
 def request(ids: list[int], tokens: int = TOKENS, **kw: Any) -> Any:
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
 
     kw.setdefault("ignore_eos", True)
     return vSurgeRequest(

@@ -169,7 +169,7 @@ def inprocess_caller(surge: Any, args: argparse.Namespace) -> Any:
     """`one(job) -> RequestResult` through `vSurge.complete`, timed as the HTTP client times a stream (the
     chat endpoint's prompt through the model's chat template, as the server would apply it)."""
     from vsurge.contracts.sampling_params import SamplingParams
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
 
     def params(job: Job) -> SamplingParams:
         return SamplingParams(

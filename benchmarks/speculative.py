@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import vsurge
     from vsurge.engines.dense.spec_verify import SpeculativeVerifier
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = vsurge.load_model(args.model)
     eng = vEngine(

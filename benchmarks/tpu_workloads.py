@@ -37,7 +37,7 @@ def thread_cpu() -> dict[str, float]:
 def run_requests(surge, prompts, outputs, max_in_flight: int, deadline: float) -> dict:
     """Every request through `vSurge.complete` on one asyncio loop (as the server does); tok/s over the
     whole run, TTFT per request. Requests still running at the deadline are cancelled."""
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
 
     counts = [0] * len(prompts)
     ttft = [None] * len(prompts)

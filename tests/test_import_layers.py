@@ -107,7 +107,7 @@ def test_the_doc_check_can_fail():
 
 
 def test_the_core_does_not_import_the_seed():
-    # the seed's API is an edge: only the facade (and scripts over everything) reach into vsurge.seed
+    # the seed's API is an edge: only the facade (and scripts over everything) reach into vsurge.seed_api
     graph = import_graph()
     above = {"seed", "facade", "benchmarks"}
     assert [
@@ -116,4 +116,4 @@ def test_the_core_does_not_import_the_seed():
         for t in sorted(ts)
         if layer_of(t) == "seed" and layer_of(m) not in above
     ] == []
-    assert layer_of("vsurge.seed.surge") == layer_of("vsurge.seed.engines") == "seed"
+    assert layer_of("vsurge.seed_api.surge") == layer_of("vsurge.seed_api.engines") == "seed"

@@ -13,7 +13,7 @@ order, and docs/architecture.md's list of layers against these names.
 6. surge      - vSurge: the engine a server talks to (`surge.py`).
 7. server, multihost - the HTTP server; a multi-host slice's lockstep lane (both over surge).
 8. cli        - `vsurge serve | route | bench` and --print-config (`cli/`).
-9. seed       - the seed's API as an edge over the core (`seed/`): vSurge, vSurgeRequest and the seed's
+9. seed       - the seed's API as an edge over the core (`seed_api/`): vSurge, vSurgeRequest and the seed's
                 constructors; nothing below imports it.
 10. facade    - the `vsurge` package itself: its lazy names reach every layer.
 11. benchmarks - scripts over everything.
@@ -45,7 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("surge", ("vsurge.surge",)),
     ("server/multihost", ("vsurge.server", "vsurge.multihost")),
     ("cli", ("vsurge.cli",)),
-    ("seed", ("vsurge.seed",)),
+    ("seed", ("vsurge.seed_api",)),
     ("facade", ("vsurge",)),
     ("benchmarks", ("benchmarks",)),
 )

@@ -1,5 +1,5 @@
 """Surge: the async generation API over a driver, built from one EngineConfig (the seed's vSurge, with
-the seed's constructors, is seed/surge.py)."""
+the seed's constructors, is seed_api/surge.py)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _as_mesh(mesh: Any) -> Any:
 
 class Surge:
     """The async generation API over one driver: what the server runs on (the seed's vSurge,
-    vsurge/seed/surge.py, is this with the seed's constructors)."""
+    vsurge/seed_api/surge.py, is this with the seed's constructors)."""
 
     def __init__(self, driver: vDriver, name: str | None = None):
         self._driver = driver

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from vsurge.seed.request import vSurgeRequest
+from vsurge.seed_api.request import vSurgeRequest
 
 
 class _Compiles(logging.Handler):

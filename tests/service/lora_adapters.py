@@ -91,7 +91,7 @@ def reference(setup, prompts=PROMPTS, names=NAMES, tokens=TOKENS) -> list[tuple[
 
 
 def ids_request(ids, adapter=None, tokens=TOKENS, logprobs=True):
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
 
     return vSurgeRequest(
         prompt=list(ids),

@@ -9,7 +9,7 @@ import numpy as np
 import vsurge
 from vsurge.contracts.engine_config import EngineConfig
 from vsurge.engines.paged.mixed_step import ChunkWork, pack_meta
-from vsurge.seed.engines import oEngine
+from vsurge.seed_api.engines import oEngine
 
 PROMPTS = [list(range(3, 23)), [5, 6, 7]]  # 20 tokens: a chunk of 16, then one of 4 (after a prefix)
 STEPS = 8

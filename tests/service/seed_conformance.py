@@ -191,7 +191,7 @@ def parse(text: str) -> list[SeedName]:
 
 
 def _provides(cls: type, name: str) -> bool:
-    from vsurge.seed.protocols import provides
+    from vsurge.seed_api.protocols import provides
 
     return provides(cls, name)
 

@@ -18,7 +18,7 @@ import pytest
 
 import vsurge
 from vsurge.engines.program_inventory import programs
-from vsurge.seed.engines import oEngine, vEngine
+from vsurge.seed_api.engines import oEngine, vEngine
 
 # slots x positions large enough that one layer's cache outweighs every weight of the tiny model
 DENSE = dict(max_concurrent_decodes=8, max_length=512, prefill_lengths=[16, 64])

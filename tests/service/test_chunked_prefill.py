@@ -9,7 +9,7 @@ import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.sampling import sample_jit
 from vsurge.models import greedy_generate
-from vsurge.seed.engines import vEngine
+from vsurge.seed_api.engines import vEngine
 
 MAX_LEN = 160
 BUCKETS = [16, 32]

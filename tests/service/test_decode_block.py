@@ -16,7 +16,7 @@ from vsurge.drivers.dense.transfer import transfer_group
 from vsurge.drivers.pipeline import drain
 from vsurge.drivers.queue_messages import FirstToken, PrefilledPack
 from vsurge.models import greedy_generate
-from vsurge.seed.request import vSurgeRequest
+from vsurge.seed_api.request import vSurgeRequest
 
 
 @pytest.fixture(scope="module")

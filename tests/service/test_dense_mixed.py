@@ -23,7 +23,7 @@ from vsurge import vSurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.dense.mixed_step import Chunk, plan_chunks, step_shapes
 from vsurge.models import greedy_generate
-from vsurge.seed.request import vSurgeRequest
+from vsurge.seed_api.request import vSurgeRequest
 
 MAX_LEN = 128
 BUCKETS = [16, 64]
@@ -117,7 +117,7 @@ def test_plan_chunks_takes_the_shape_that_carries_most_oldest_first():
 def test_prompts_written_in_place_decode_like_the_reference(tiny):
     # Slot 1 decodes (inserted the usual way) while a 50-token prompt goes into slot 0 over several steps
     # and a 3-token prompt into slot 3; all three continue exactly as greedy generation alone.
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = tiny
     engine = vEngine(

@@ -21,7 +21,7 @@ from vsurge.contracts.engine_config import (
     flag_name,
     serve_fields,
 )
-from vsurge.seed.args import seed_engine_config
+from vsurge.seed_api.args import seed_engine_config
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "helm" / "vsurge" / "crds" / "inferencemodels.vsurge.io.yaml"

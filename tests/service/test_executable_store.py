@@ -223,7 +223,7 @@ START = textwrap.dedent(
     import vsurge
     from vsurge.models.compiled.compilation_cache import enable_compilation_cache
     from vsurge.engines.aot_program import missed
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
 
     def greedy(prompt):
         request = vSurgeRequest(prompt=prompt, max_tokens=6, temperature=0.0, ignore_eos=True,

@@ -16,7 +16,7 @@ import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.dense.warmup import longest_first, program_jobs
 from vsurge.models.attention import ChunkAttention, PrefillAttention
-from vsurge.seed.engines import vEngine
+from vsurge.seed_api.engines import vEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 

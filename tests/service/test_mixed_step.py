@@ -24,7 +24,7 @@ from vsurge.engines.paged.mixed_step import ChunkWork, plan_chunks
 from vsurge.engines.paged.paging import HBMPageManager, bytes_per_page, page_hashes
 from vsurge.models import greedy_generate
 from vsurge.models.paged_attention import ragged_paged_attention_xla
-from vsurge.seed.engines import oEngine
+from vsurge.seed_api.engines import oEngine
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -251,7 +251,7 @@ def steps(surge, monkeypatch):
 
 
 def _request(ids, max_tokens: int):
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
 
     return vSurgeRequest(
         prompt=[int(t) for t in ids],

@@ -20,7 +20,7 @@ from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.engines.paged.paging import bytes_per_page
 from vsurge.models import greedy_generate
-from vsurge.seed.request import vSurgeRequest
+from vsurge.seed_api.request import vSurgeRequest
 
 MAX_LEN = 128
 BUCKETS = [16, 32]  # prompts past 32 tokens are prefilled in chunks
@@ -153,7 +153,7 @@ def test_prefix_cache_hit_is_exact_and_counted(surge, tiny):
 
 def test_cached_tokens_and_prompt_logprobs_reach_the_caller(surge, tiny):
     # usage.prompt_tokens_details.cached_tokens and prompt_logprobs come with a request's first delta
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = tiny
     prompt = [int(t) for t in np.random.RandomState(9).randint(3, 300, size=50)]

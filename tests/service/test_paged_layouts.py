@@ -27,8 +27,8 @@ from vsurge.models import pallas_sharded as ps
 from vsurge.models.kv_layout import fit_kv, kv_layout
 from vsurge.models.paged_attention import PagedDecodeAttention, PagedPrefillAttention, PagedRaggedAttention
 from vsurge.models.sharding import make_mesh
-from vsurge.seed.engines import oEngine
-from vsurge.seed.request import vSurgeRequest
+from vsurge.seed_api.engines import oEngine
+from vsurge.seed_api.request import vSurgeRequest
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 

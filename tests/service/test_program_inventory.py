@@ -24,7 +24,7 @@ from vsurge.engines.program_inventory import programs, state_spec
 from vsurge.models.config import ModelConfig
 from vsurge.models.loader import _read_config, abstract_model
 from vsurge.models.sharding import make_mesh
-from vsurge.seed.engines import oEngine, vEngine
+from vsurge.seed_api.engines import oEngine, vEngine
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (fake) devices")
 

@@ -229,7 +229,7 @@ def test_gguf_q8_0_is_kept_as_stored(tmp_path):
 @pytest.mark.parametrize("driver", ["vdriver", "odriver"])
 def test_engine_serves_int8_weights(tiny_checkpoint, driver):
     from vsurge import vSurge
-    from vsurge.seed.request import vSurgeRequest
+    from vsurge.seed_api.request import vSurgeRequest
 
     path, _ = tiny_checkpoint("llama")
     model, tok = vsurge.load_model(path, quantization="int8")

@@ -7,7 +7,7 @@ import pytest
 
 from vsurge.contracts.request import vSurgeMetadata
 from vsurge.contracts.sampling_params import SamplingParams
-from vsurge.seed.request import SEED_SAMPLING_DEFAULTS, vSurgeRequest
+from vsurge.seed_api.request import SEED_SAMPLING_DEFAULTS, vSurgeRequest
 
 
 def test_seed_positional_order_and_defaults():

@@ -22,7 +22,7 @@ def test_the_seed_names_import_from_vsurge():
     from vsurge.drivers.dense.vdriver import vDriver
     from vsurge.drivers.paged.odriver import oDriver
     from vsurge.engines.paged.paging import HBMPageManager, PagedAttentionCache
-    from vsurge.seed.engines import oEngine, vEngine
+    from vsurge.seed_api.engines import oEngine, vEngine
     from vsurge.server import vSurgeApiServer
 
     assert (vsurge.vDriver, vsurge.oDriver, vsurge.vEngine, vsurge.oEngine) == (

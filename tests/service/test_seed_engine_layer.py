@@ -23,8 +23,8 @@ from vsurge import (
     SamplingParams,
     vSurge,
 )
-from vsurge.seed.paged_prefix import PagedPrefix
-from vsurge.seed.types import SeedPrefix
+from vsurge.seed_api.paged_prefix import PagedPrefix
+from vsurge.seed_api.types import SeedPrefix
 
 MAX_LEN = 64
 STEPS = 5

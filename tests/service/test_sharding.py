@@ -83,7 +83,7 @@ def test_placement_reads_each_devices_shard_alone(tiny_checkpoint):
 
 
 def test_dense_engine_says_when_kv_heads_do_not_split(tiny_checkpoint, caplog):
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     path, _ = tiny_checkpoint("llama", heads=8, kv_heads=2)
     model, tok = vsurge.load_model(path, mesh="tp=4")

@@ -20,7 +20,7 @@ from vsurge import vSurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.dense.slot_moves import plan_moves
 from vsurge.models import greedy_generate
-from vsurge.seed.request import vSurgeRequest
+from vsurge.seed_api.request import vSurgeRequest
 
 MAX_LEN = 160
 BUCKETS = [16, 64]
@@ -63,7 +63,7 @@ def test_plan_moves_brings_the_live_slots_under_the_smallest_bucket():
 
 # ------------------------------------------------------------------------------------------ engine
 def test_a_moved_slot_decodes_on_like_the_reference(tiny_llama):
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = tiny_llama
     engine = vEngine(model, tok, max_concurrent_decodes=8, prefill_lengths=BUCKETS, max_length=MAX_LEN)

@@ -11,7 +11,7 @@ import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.dense.spec_verify import SpeculativeVerifier, plain_sampling
 from vsurge.engines.dense.speculative import propose_ngram_batch
-from vsurge.seed.engines import vEngine
+from vsurge.seed_api.engines import vEngine
 
 SLOTS, K, OUT = 4, 3, 40
 PROMPTS = [

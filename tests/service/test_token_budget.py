@@ -12,7 +12,7 @@ import pytest
 import vsurge
 from vsurge import vSurge
 from vsurge.contracts.token_budget import TokenBudget
-from vsurge.seed.request import vSurgeRequest
+from vsurge.seed_api.request import vSurgeRequest
 
 MAX_LEN = 48
 BUCKETS = [16, 32]

@@ -39,7 +39,7 @@ from vsurge.models.config import ModelConfig
 from vsurge.models.loader import abstract_model
 from vsurge.models.sharding import make_mesh
 from vsurge.models.target import target_backend
-from vsurge.seed.engines import oEngine, vEngine
+from vsurge.seed_api.engines import oEngine, vEngine
 
 pytestmark = pytest.mark.skipif(
     len(jax.devices()) < 8 or not ps.kernel_available(),

@@ -30,7 +30,7 @@ from vsurge.models.paged_attention import (
     use_pallas,
 )
 from vsurge.models.sharding import make_mesh
-from vsurge.seed.engines import oEngine
+from vsurge.seed_api.engines import oEngine
 
 MESHES = ["tp=1", "tp=2", "tp=4", "tp=8", "dp=2,tp=4"]
 # kv_heads=8 so tp=8 splits them; head_dim=128 so the shapes are ones the TPU kernel takes

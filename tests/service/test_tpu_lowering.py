@@ -154,7 +154,7 @@ def test_engine_mixed_step_programs_lower_for_tpu(tiny_checkpoint, spec):
     it, the model around the kernel included. How the engine's whole start can be lowered in CI."""
     import vsurge
     from vsurge.engines.paged.kernel_fallback import abstract_step_args
-    from vsurge.seed.engines import oEngine
+    from vsurge.seed_api.engines import oEngine
 
     model, tok = vsurge.load_model(tiny_checkpoint("llama", heads=8, kv_heads=2, head_dim=64)[0])
     with tl.targeting("v5e", spec):

@@ -14,7 +14,7 @@ from vsurge.contracts.request import PromptTooLongError, QueueFullError, Request
 from vsurge.contracts.sampling_params import InvalidSamplingParams, SamplingParams
 from vsurge.drivers.active_request import ActiveRequest
 from vsurge.models import greedy_generate
-from vsurge.seed.request import vSurgeRequest
+from vsurge.seed_api.request import vSurgeRequest
 
 MAX_LEN = 128
 BUCKETS = [16, 64]
@@ -291,7 +291,7 @@ def test_disaggregated_prefill_and_decode_on_separate_devices(tiny_checkpoint):
 
     from vsurge.drivers.dense.vdriver import vDriver
     from vsurge.models.sharding import make_mesh
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     path, _ = tiny_checkpoint("llama", heads=8, kv_heads=4)
     model, tok = vsurge.load_model(path)
@@ -427,7 +427,7 @@ class _CountingEngine:
 
     @staticmethod
     def build(model, tok, **kw):
-        from vsurge.seed.engines import vEngine
+        from vsurge.seed_api.engines import vEngine
 
         class Counting(vEngine):
             steps = 0
@@ -498,7 +498,7 @@ def _engine_greedy(engine, prefix, entries, steps):
 def test_packed_prefill_equals_reference(tiny):
     # Several prompts prefilled in one call, packed one after another in one bucket: each entry's cache
     # and first token are its own prompt's, whatever its neighbours are.
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = tiny
     engine = vEngine(model, tok, max_concurrent_decodes=4, prefill_lengths=[16, 64], max_length=MAX_LEN)
@@ -516,7 +516,7 @@ def test_packed_prefill_equals_reference(tiny):
 def test_multi_row_prefill_equals_reference(tiny):
     # Prompts beyond one row's tokens go into rows of prefill_pack_tokens, each row its own attention,
     # first fit: every entry's cache and first token are still its own prompt's.
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = tiny
     engine = vEngine(
@@ -560,7 +560,7 @@ def test_multi_row_prefill_equals_reference(tiny):
 def test_first_sampled_before_insert_continues_like_insert(tiny):
     # sample_first then insert(first=) must give the tokens insert alone gives, for sampled requests too:
     # the same key draws the first token, and the slot's sampler stream goes on from it.
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = tiny
     engine = vEngine(model, tok, max_concurrent_decodes=2, prefill_lengths=[16], max_length=MAX_LEN)
@@ -590,7 +590,7 @@ def test_first_sampled_before_insert_continues_like_insert(tiny):
 def test_long_rows_cross_decode_chunks_exactly(tiny):
     # Decode reads the cache in chunks of 128 up to the longest live row; with max_length 300 the third
     # chunk is shifted back to fit. A 250-token prompt decoded past position 256 beside a short one.
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = tiny
     engine = vEngine(model, tok, max_concurrent_decodes=2, prefill_lengths=[64, 256], max_length=300)
@@ -606,7 +606,7 @@ def test_bfloat16_kv_cache_decodes_within_bfloat16_rounding(tiny):
     # step's logits stay within bfloat16 rounding of the float32 cache's, and are not identical to them
     # (the rounding is really there).
     from vsurge.models.attention import KV_BITS, kv_load, kv_store
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     x = np.random.RandomState(0).standard_normal((4, 64)).astype(np.float32)
     want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
@@ -650,7 +650,7 @@ def test_bfloat16_prefill_matches_float32_within_rounding(tiny):
     # activations stay float32: the prompt's K/V and last hidden state keep the model's dtype, close to
     # the float32 prefill's; decode keeps the float32 weights; a driver built that way serves a burst of
     # requests to their lengths.
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = tiny
     kw = dict(max_concurrent_decodes=4, prefill_lengths=[64], max_length=MAX_LEN)
@@ -689,7 +689,7 @@ def test_bfloat16_decode_runs_from_eight_rows_within_rounding(tiny):
     # smaller ones on the float32 weights (XLA:CPU's bfloat16 matrix-vector path is slow). One live row:
     # the same logits as a float32 engine; a row in slot 7 (the 8-row step): close, not equal.
     from vsurge.engines.dense.bf16_weights import BF16_DECODE_MIN_ROWS
-    from vsurge.seed.engines import vEngine
+    from vsurge.seed_api.engines import vEngine
 
     model, tok = tiny
     kw = dict(max_concurrent_decodes=8, prefill_lengths=[64], max_length=MAX_LEN)

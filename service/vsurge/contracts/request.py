@@ -54,7 +54,7 @@ class GenerationRequest:
     `prompt` is text (tokenized by vSurge) or token ids. `is_client_side_tokenization`: True, the client
     detokenizes (responses carry the step's token ids, unbuffered, and no text); False, the server does
     (text, with a step that ends inside a multi-byte character held back until it completes).
-    ``detokenize`` overrides whether text is produced. The seed's vSurgeRequest (vsurge/seed/request.py)
+    ``detokenize`` overrides whether text is produced. The seed's vSurgeRequest (vsurge/seed_api/request.py)
     is this with the seed's positional constructor.
     """
 

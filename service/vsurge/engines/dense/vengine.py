@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 class DenseEngine(DenseCache, EngineBase):
     """Dense-cache engine: prefill, insert into a slot, decode all slots, free a slot. The public vEngine
-    (vsurge/seed/engines.py) is this with the seed's constructor and steps."""
+    (vsurge/seed_api/engines.py) is this with the seed's constructor and steps."""
 
     def __init__(self, model: Any, processor: Any, config: EngineConfig):
         # smallest_rows=1: one live row: XLA:CPU's matrix-vector path is ~25% faster than 4 rows

@@ -81,7 +81,7 @@ def page_buckets(max_length: int, page_size: int, smallest_tokens: int = 128) ->
 
 class PagedEngine(EngineBase):
     """Paged-cache engine: chunked prefill into pages, decode over page tables. The public oEngine
-    (vsurge/seed/engines.py) is this with the seed's constructor and steps."""
+    (vsurge/seed_api/engines.py) is this with the seed's constructor and steps."""
 
     def __init__(
         self,
@@ -193,7 +193,7 @@ class PagedEngine(EngineBase):
             partial(seat_chunk, seat=partial(seat, num_top=num_top_logprobs, shardings=shardings)),
             donate_argnums=(0,),
         )
-        # the seed layer's prefill / insert (seed/paged_prefix.py): the seat's two parts apart; first call compiles
+        # the seed layer's prefill / insert (seed_api/paged_prefix.py): the seat's two parts apart; first call compiles
         self._first = jax.jit(partial(first_of_chunk, num_top=num_top_logprobs, shardings=shardings))
         self._place = jax.jit(partial(place, shardings=shardings), donate_argnums=(0,))
         # structured output: the samplers under token masks, compiled by warm_structured only

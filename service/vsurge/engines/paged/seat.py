@@ -4,7 +4,7 @@ the slot feeds next, its position, the sampler's step counter, the penalty count
 the sampler row). `seat` is both, one program: what oEngine's mixed step (`seat_chunk`) and
 `prefill_chunk` run after a final chunk.
 
-The seed layer runs the two apart (vsurge/seed/paged.py): its `prefill` samples the first token of a prompt not
+The seed layer runs the two apart (vsurge/seed_api/paged.py): its `prefill` samples the first token of a prompt not
 yet in any slot (`first_of_chunk`), its `insert` places it in the slot it is given (`place`). The KV stays
 in the pages the chunks wrote; only the page ids move, on the host.
 """
