@@ -181,7 +181,9 @@ def engine_only(args, jobs: list[Job], runs) -> dict[str, Any]:
         from vsurge.models.sharding import make_mesh
 
         mesh = make_mesh(cfg.engine.mesh)
-    model, processor = vsurge.load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.engine.quantization)
+    model, processor = vsurge.load_model(
+        cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.engine.quantization
+    )
     size_engine(cfg, model, mesh, _say)
     surge = build_surge(cfg, model, processor, mesh)
     surge.compile()

@@ -104,7 +104,9 @@ def run_serve(cfg: ServeConfig) -> int:
             mesh = make_mesh(cfg.engine.mesh)
         if leader is not None:
             mesh = leader.mesh(cfg)
-        model, processor = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.engine.quantization)
+        model, processor = load_model(
+            cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.engine.quantization
+        )
         load_s = time.perf_counter() - t0
         say(f"loaded {cfg.model_name} in {load_s:.1f}s")
         if leader is None:  # a multi-host group keeps the plain defaults: every process must agree

@@ -102,7 +102,9 @@ def run_worker(cfg: Any, start: GroupStart) -> None:
         enable_compilation_cache()  # as the leader does: a restart skips most of the compile
         mesh = _mesh(cfg)
         lane.say(f"loading {cfg.model} (mesh {dict(mesh.shape)})")
-        model, processor = load_model(cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.engine.quantization)
+        model, processor = load_model(
+            cfg.model, dtype=cfg.dtype, mesh=mesh, quantization=cfg.engine.quantization
+        )
         lane.say(holding(model))
         lane.loaded(mesh)
         code = lane.run(model, processor)

@@ -143,11 +143,7 @@ class vSurgeApiServer(  # noqa: N801 - the seed's name
         self.fatal: BaseException | None = None
         self._lock = threading.Lock()
         if vsurge_map is not None:
-            items = (
-                vsurge_map.items()
-                if isinstance(vsurge_map, Mapping)
-                else [(vsurge_map.name, vsurge_map)]
-            )
+            items = vsurge_map.items() if isinstance(vsurge_map, Mapping) else [(vsurge_map.name, vsurge_map)]
             for name, surge in items:
                 self.add_model(name, surge)
         self.app = self._build_app()

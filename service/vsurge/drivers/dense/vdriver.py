@@ -205,7 +205,9 @@ class vDriver:  # noqa: N801 - the seed's name
             return False
         return True
 
-    def _take_batch(self, engine: DenseEngine, carry: collections.deque[ActiveRequest]) -> list[ActiveRequest]:
+    def _take_batch(
+        self, engine: DenseEngine, carry: collections.deque[ActiveRequest]
+    ) -> list[ActiveRequest]:
         """The requests of the next prefill call: what is waiting (``carry`` first: taken from the queue
         but left out of the last call) that fits one call: one row of prefill_pack_tokens, or, when
         prompts queue up, several such rows (a longer prompt goes alone: filling its bucket's padding with
