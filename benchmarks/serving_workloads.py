@@ -8,6 +8,7 @@ through the chat template, answers end where the model says so (EOS), as in real
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,9 +171,14 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+@functools.cache
+def _prose_words() -> tuple[str, ...]:
+    return tuple(PROSE.read_text().split())
+
+
 def prose_passage(rng: random.Random, words: int) -> str:
     """A request to continue ``words`` words of the prose taken from a random place (wrapping round)."""
-    text = PROSE.read_text().split()
+    text = _prose_words()
     start = rng.randrange(len(text))
     passage = " ".join(text[(start + i) % len(text)] for i in range(words))
     return f"Continue this passage from a novel, in the same style:\n\n{passage}"
