@@ -1,7 +1,8 @@
 """vEngine's prefill as a chain of programs (embed, one program per decoder layer, finish) and the chunk
 program as one too (engines/dense/layered_prefill.py, engines/layered_chunk.py): the same hidden states and K/V
 as the model's own forward over the whole stack, one compiled layer program for every layer, the chain
-dispatched under the engine's dispatch lock, and the compile pool starting with the slowest programs."""
+dispatched under the engine's dispatch lock (or, on XLA:CPU, a few programs queued at a time), and the
+compile pool starting with the slowest programs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import vsurge
 from vsurge.contracts.sampling_params import SamplingParams
 from vsurge.engines.dense.warmup import longest_first, program_jobs
+from vsurge.engines.dispatch_window import CPU_WINDOW, DispatchWindow
 from vsurge.models.attention import ChunkAttention, PrefillAttention
 from vsurge.seed_api.engines import vEngine
 
@@ -85,9 +87,11 @@ def test_the_chunk_chain_is_the_models_forward(tiny):
 
 
 def test_the_chain_and_the_decode_steps_take_the_dispatch_lock(tiny):
-    """While the engine's dispatch lock is held, neither a prefill nor a decode step is dispatched: a
-    decode block never lands between two layers of a prefill on the device's queue."""
+    """Where the whole chain is queued at once (a TPU; here with the window off), while the engine's
+    dispatch lock is held neither a prefill nor a decode step is dispatched: a decode block never lands
+    between two layers of a prefill on the device's queue."""
     engine = _engine(tiny, decode_steps=2)
+    engine._prefill.window = DispatchWindow(None)  # the TPU's chain: queued at once, under the lock
     state = engine.init_decode_state()
     done = {}
 
@@ -106,6 +110,28 @@ def test_the_chain_and_the_decode_steps_take_the_dispatch_lock(tiny):
         t.join(60)
         assert name in done
     jax.block_until_ready(done["prefill"].hidden)
+
+
+def test_on_cpu_a_chain_keeps_a_window_of_programs_queued(tiny):
+    """XLA:CPU blocks a dispatching thread once a device has 32 programs in flight, so a whole chain
+    queued at once held every later dispatch (the decode step's) behind the prefill's layers
+    (engines/dispatch_window.py). On CPU a prefill returns with at most CPU_WINDOW of its programs still
+    queued, every earlier layer's K/V computed, without taking the dispatch lock; the chunk chain too."""
+    engine = _engine(tiny)
+    assert engine._prefill.window.size == CPU_WINDOW and engine.chunked.window.size == CPU_WINDOW
+    with engine.dispatch_lock:  # the decode step's lock: a CPU prefill neither takes nor waits for it
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("prefix", engine.prefill(list(range(5, 30)))))
+        t.start()
+        t.join(60)
+        assert "prefix" in done, "the CPU chain waited for the dispatch lock"
+    prefix = done["prefix"]
+    pending = [i for i, (k, v) in enumerate(prefix.kv) if not (k.is_ready() and v.is_ready())]
+    assert not pending or min(pending) >= len(prefix.kv) - CPU_WINDOW, pending
+    waited = engine.prefill_waited
+    rows, _, _ = engine.chunked.run(list(range(40, 80)), False)
+    assert len(rows) - sum(k.is_ready() and v.is_ready() for k, v in rows) <= CPU_WINDOW
+    assert engine.prefill_waited >= waited
 
 
 def test_the_pool_starts_with_the_slowest_programs(tiny):

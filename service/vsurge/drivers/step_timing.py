@@ -2,8 +2,8 @@
 ``vsurge_step_device_seconds`` and ``vsurge_step_host_seconds`` (server/metrics.py).
 
 Host seconds: the driver thread's Python time for one step, planning it and dispatching its program (the
-step thread: plan + dispatch; vDriver's prefill thread: the prefill call), without its waits for work or
-for room in a full queue.
+step thread: plan + dispatch; vDriver's prefill thread: the prefill call), without its waits for work,
+for room in a full queue, or for the device (a prefill chain's window on XLA:CPU: dispatch_window.py).
 
 Device seconds: from the dispatch until the step's results are ready, taken where the driver already
 waits for them (the detokenizer's read of a step's tokens, the transfer thread's wait for a prefill): no

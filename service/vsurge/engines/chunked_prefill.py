@@ -89,6 +89,11 @@ class ChunkedPrefill:
         # the adapter argument exists only with a LoRA bank: without, the programs are those of before
         self.lora = has_bank(nnx.merge(graphdef, params))
 
+    @property
+    def window(self) -> Any:
+        """The chunk chain's DispatchWindow (dispatch_window.py)."""
+        return self._extend.window
+
     def _whole(self) -> Any:
         """A sharding that keeps an array whole on the weights' devices."""
         sh = jax.tree_util.tree_leaves(self.params)[0].sharding

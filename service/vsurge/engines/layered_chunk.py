@@ -1,5 +1,6 @@
 """chunked_prefill.py's chunk program as a chain of small programs: the embedding, one decoder layer (one
-program for every layer), the final norm; why a chain, see layered_prefill.py."""
+program for every layer), the final norm; why a chain, see layered_prefill.py (and, for XLA:CPU's window,
+dispatch_window.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from flax import nnx
 
 from ..models.attention import ChunkAttention
 from .aot_program import program
+from .dispatch_window import DispatchWindow
 from .example_args import abstract
 
 __all__ = ["LayeredChunk", "placed"]
@@ -61,15 +63,20 @@ class LayeredChunk:
             donate_argnums=(1,),
         )
         self._finish = program(partial(_chunk_finish_impl, nnx.graphdef(inner.norm)))
+        self.window = DispatchWindow.for_backend()  # XLA:CPU: a few programs queued at a time
 
     def __call__(self, params, rows, tokens, start, adapter=None) -> tuple[Any, jax.Array]:
         inner = params["model"]
         x, positions, start, lora = self._embed(inner["embed_tokens"], tokens, start, adapter)
+        self.window.add(x)
         out = []
         for i, row in enumerate(rows):
             row, x = self._layer(inner["layers"][i], row, x, positions, start, lora)
             out.append(row)
-        return tuple(out), self._finish(inner["norm"], x)
+            self.window.add(x)
+        hidden = self._finish(inner["norm"], x)
+        self.window.add(hidden)
+        return tuple(out), hidden
 
     def jobs(self, name: str, params, row, tokens, start, adapter=None) -> list[tuple[str, Any, tuple]]:
         """(name, program, abstract arguments) of the chain's programs for a chunk of ``tokens``' shape on a

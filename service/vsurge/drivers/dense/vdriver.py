@@ -322,7 +322,7 @@ class vDriver:  # noqa: N801 - the seed's name
             self._may_prefill.clear()
             if not p.live:
                 return False
-        now, started = time.time(), time.perf_counter()
+        now, started, waited = time.time(), time.perf_counter(), engine.prefill_waited
         for req in batch:
             req.metadata.prefill_started_at = now
         try:
@@ -343,7 +343,9 @@ class vDriver:  # noqa: N801 - the seed's name
                 p.fail(req, f"prefill failed: {e}")
             batch.clear()  # failed, not aborted
             return True
-        timing = p.clock.dispatched("prefill", engine, time.perf_counter() - started)
+        # host time: the call less its waits for the device (XLA:CPU's dispatch window)
+        host = time.perf_counter() - started - (engine.prefill_waited - waited)
+        timing = p.clock.dispatched("prefill", engine, host)
         # stopping: the hand-off never happened
         return p.put(self._transfer_q, PrefilledPack(batch, engine, prefix, timing))
 

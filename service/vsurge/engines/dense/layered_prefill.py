@@ -32,6 +32,7 @@ from flax import nnx
 from ...models.attention import PrefillAttention
 from ...models.lora import has_bank, token_slots
 from ..aot_program import program
+from ..dispatch_window import DispatchWindow
 from ..example_args import abstract
 from ..layered_chunk import placed as _placed
 from ..sampling.penalties import unpack_token_mask
@@ -94,6 +95,7 @@ class LayeredPrefill:
         # programs in the order they were enqueued, and a decode block enqueued between two layers of a
         # prefill would hold its first token back by a block (~20 ms on a v5e) each time
         self.lock = engine.dispatch_lock
+        self.window = DispatchWindow.for_backend()  # XLA:CPU: a few programs queued at a time
 
     def _slots(self, sampling: Any) -> Any:
         return sampling.lora if self.bank else None
@@ -103,6 +105,10 @@ class LayeredPrefill:
     ) -> Prefix:
         inner = params["model"]
         layers = [inner["layers"][i] for i in range(self.num_layers)]
+        if self.window.active:  # XLA:CPU: a few programs queued at a time (dispatch_window.py)
+            return self._windowed(
+                inner, layers, tokens, positions, segments, totals, starts, lengths, words, sampling
+            )
         with self.lock:
             x, positions, segments, totals, lora = self._embed(
                 inner["embed_tokens"], tokens, positions, segments, totals, self._slots(sampling)
@@ -114,6 +120,27 @@ class LayeredPrefill:
             last, starts, lengths, mask, sampling = self._finish(
                 inner["norm"], x, starts, lengths, words, sampling
             )
+        return Prefix(tuple(kv), last, starts, lengths, mask, sampling)
+
+    def _windowed(
+        self, inner, layers, tokens, positions, segments, totals, starts, lengths, words, sampling
+    ) -> Prefix:
+        """The chain without the dispatch lock, each program added to the window: on XLA:CPU queued
+        programs run side by side, so there is no order to keep, and the lock would hold the decode
+        step's dispatch while the window waits."""
+        x, positions, segments, totals, lora = self._embed(
+            inner["embed_tokens"], tokens, positions, segments, totals, self._slots(sampling)
+        )
+        self.window.add(x)
+        kv = []
+        for layer in layers:
+            x, k, v = self._layer(layer, x, positions, segments, totals, lora)
+            kv.append((k, v))
+            self.window.add(x)
+        last, starts, lengths, mask, sampling = self._finish(
+            inner["norm"], x, starts, lengths, words, sampling
+        )
+        self.window.add(last)
         return Prefix(tuple(kv), last, starts, lengths, mask, sampling)
 
     def eval_shape(self, *args: Any) -> Prefix:

@@ -180,6 +180,12 @@ class DenseEngine(DenseCache, EngineBase):
         """Longest prompt: the context less one generated token (longer than a bucket: chunked)."""
         return self.max_length - 1
 
+    @property
+    def prefill_waited(self) -> float:
+        """Seconds the prefill chains have waited for the device so far: on XLA:CPU a chain keeps only a
+        few programs queued (dispatch_window.py), so a prefill call returns once most of it has run."""
+        return self._prefill.window.waited + self.chunked.window.waited
+
     def check_prompt(self, tokens: Sequence[int]) -> int:
         """The prompt's length if this engine can prefill it, else ValueError with the reason."""
         if len(tokens) < 1:

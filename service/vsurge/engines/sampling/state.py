@@ -151,7 +151,7 @@ def make_slot_sampling(
         if len(ids) > max_stop_ids:
             raise ValueError(f"stop_ids of slot {i}: at most {max_stop_ids} ids, got {len(ids)}")
         cols["stop_ids"][i, : len(ids)] = ids
-    return SlotSampling(**{name: jnp.asarray(a) for name, a in cols.items()})
+    return SlotSampling(**jax.device_put(cols))
 
 
 def _bias_row(p: SamplingParams) -> dict[int, float]:
