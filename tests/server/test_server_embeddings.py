@@ -100,6 +100,10 @@ def test_dimensions_of_the_hidden_size_and_truncation(client, http, surge):
     dim = pooler.dim
     # a batch never holds more tokens than one prefill of the largest bucket (what a decode step may wait on)
     assert all(t * rows <= max(pooler.buckets) for t, rows in pooler.rows.items())
+    # the prefill buckets' powers of two and the largest: each is the whole model, compiled at start
+    lengths = surge._engine.prefill_lengths
+    assert pooler.buckets[-1] == max(lengths) and set(pooler.buckets) <= set(lengths)
+    assert all(t & (t - 1) == 0 for t in pooler.buckets[:-1])
     r = client.embeddings.create(model="tiny", input="x", dimensions=dim, encoding_format="float")
     assert len(r.data[0].embedding) == dim
     with pytest.raises(openai.BadRequestError):

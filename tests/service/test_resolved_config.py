@@ -71,5 +71,7 @@ def test_tpu_compiles_fewer_shapes():
     from vsurge.engines.engine_base import default_prefill_lengths, row_buckets
 
     assert default_prefill_lengths(1024, "tpu") == [128, 256, 512, 1024]
-    assert default_prefill_lengths(1024, "cpu") == [32, 64, 128, 256, 512, 1024]
+    assert default_prefill_lengths(1024, "cpu") == [32, 64, 128, 192, 256, 384, 512, 768, 1024]
+    assert default_prefill_lengths(300, "cpu") == [32, 64, 128, 192, 256, 300]
+    assert default_prefill_lengths(100, "cpu") == [32, 64, 100]
     assert row_buckets(256, 1, "tpu") == [8, 32, 128, 256] and row_buckets(4, 1, "tpu") == [4]

@@ -59,10 +59,16 @@ def _doubling(smallest: int, largest: int) -> list[int]:
 
 
 def default_prefill_lengths(max_prefill_length: int, backend: str | None = None) -> list[int]:
-    """Powers of two up to the largest bucket: from 32 on CPU (its prefill costs by the token), from 128
-    on TPU (a short prompt costs about the same in a 128 bucket there, and each bucket is a program to
-    compile at start)."""
-    return _doubling(128 if (backend or target_backend()) == "tpu" else 32, max_prefill_length)
+    """Powers of two up to the largest bucket from 128 on TPU (a short prompt costs about the same in a
+    128 bucket there, and each bucket is a program to compile at start). On CPU, where prefill costs by
+    the token, from 32, with 1.5x steps between the powers from 128 on (192, 384, 768, ...): prompts of
+    32-512 tokens pad 17% on average instead of 33% (serve's defaults under random-24 on 2 cores: 76.2
+    -> 87.3 output tok/s, one sitting)."""
+    if (backend or target_backend()) == "tpu":
+        return _doubling(128, max_prefill_length)
+    powers = _doubling(32, max_prefill_length)
+    between = [n * 3 // 2 for n in powers if n >= 128 and n * 3 // 2 < max_prefill_length]
+    return sorted(set(powers + between))
 
 
 def decode_buckets(max_length: int, smallest: int = 128) -> list[int]:

@@ -69,14 +69,12 @@ class Pooler:
         if jax.process_count() > 1:
             # a multi-host slice runs its programs in lockstep (multihost/); one host alone must not
             raise NotImplementedError("embeddings are not served by a multi-host engine")
-        # the prefill buckets: what the engine already bounds a prompt by (longer input is a 400)
-        lengths = getattr(engine, "prefill_lengths", None) or [engine.max_length]
-        return cls(
-            engine.graphdef,
-            engine.params,
-            sorted({int(n) for n in lengths}),
-            int(engine.model_config.hidden_size),
-        )
+        # the prefill buckets: what the engine already bounds a prompt by (longer input is a 400); of
+        # those, the powers of two and the largest: each is the whole model compiled at start, and the
+        # CPU's 1.5x prefill steps (engine_base.default_prefill_lengths) would add a third to the start
+        lengths = sorted({int(n) for n in getattr(engine, "prefill_lengths", None) or [engine.max_length]})
+        coarse = sorted({n for n in lengths if n & (n - 1) == 0} | {lengths[-1]})
+        return cls(engine.graphdef, engine.params, coarse, int(engine.model_config.hidden_size))
 
     @property
     def max_tokens(self) -> int:

@@ -233,7 +233,8 @@ class DenseEngine(DenseCache, EngineBase):
         adapters: Sequence[int] | None = None,
     ) -> Prefix:
         """Prefill up to `max_concurrent_prefill` prompts in one call, packed one after another into the
-        smallest bucket that holds them all (no padding per prompt). Dispatched asynchronously.
+        smallest bucket that holds them all (no padding per prompt). Dispatched asynchronously (on XLA:CPU
+        it returns with the last two of its programs queued: dispatch_window.py).
         ``adapters``: each prompt's LoRA bank slot (default: none, the base model)."""
         return self._prefill(self.prefill_params, *self._pack(prompts, params, stop_ids, adapters))
 
