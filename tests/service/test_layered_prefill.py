@@ -116,15 +116,18 @@ def test_on_cpu_a_chain_keeps_a_window_of_programs_queued(tiny):
     """XLA:CPU blocks a dispatching thread once a device has 32 programs in flight, so a whole chain
     queued at once held every later dispatch (the decode step's) behind the prefill's layers
     (engines/dispatch_window.py). On CPU a prefill returns with at most CPU_WINDOW of its programs still
-    queued, every earlier layer's K/V computed, without taking the dispatch lock; the chunk chain too."""
+    queued, every earlier layer's K/V computed; its layers take the decode step's dispatch lock in turns
+    (CPU_TURNS), so it waits while the lock is held; the chunk chain keeps the window too."""
     engine = _engine(tiny)
     assert engine._prefill.window.size == CPU_WINDOW and engine.chunked.window.size == CPU_WINDOW
-    with engine.dispatch_lock:  # the decode step's lock: a CPU prefill neither takes nor waits for it
-        done = {}
-        t = threading.Thread(target=lambda: done.setdefault("prefix", engine.prefill(list(range(5, 30)))))
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("prefix", engine.prefill(list(range(5, 30)))))
+    with engine.dispatch_lock:  # a decode step dispatching: the prefill's next turn waits for it
         t.start()
-        t.join(60)
-        assert "prefix" in done, "the CPU chain waited for the dispatch lock"
+        t.join(0.5)
+        assert "prefix" not in done, "the CPU chain ran its layers while the dispatch lock was held"
+    t.join(60)
+    assert "prefix" in done
     prefix = done["prefix"]
     pending = [i for i, (k, v) in enumerate(prefix.kv) if not (k.is_ready() and v.is_ready())]
     assert not pending or min(pending) >= len(prefix.kv) - CPU_WINDOW, pending

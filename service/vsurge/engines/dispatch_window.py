@@ -6,8 +6,9 @@ queued at once, so the device runs it back to back. XLA:CPU runs queued programs
 device hold at most 32 in flight: the 33rd dispatch blocks its thread until one finishes. A whole chain
 queued at once filled that queue, and every dispatch after it, the decode step's among them, waited for
 the prefill's layers to run (serve's defaults under random-24 on 2 cores: a layer dispatch of 30-200 ms
-from the 20th on, decode steps held back as long; 45 -> 82 output tok/s with the window). On CPU a chain
-therefore keeps only ``CPU_WINDOW`` of its programs queued, waiting for the oldest before it adds one.
+from the 20th on, and the decode step held back as long: ITL p99 846 ms, 234 ms with the window, one
+sitting). On CPU a chain therefore keeps only ``CPU_WINDOW`` of its programs queued, waiting for the
+oldest before it adds one.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class DispatchWindow:
     @property
     def active(self) -> bool:
         return self.size is not None
+
+    def wait(self, out: Any) -> None:
+        """Wait until ``out`` is ready (the time counted in ``waited``)."""
+        started = time.perf_counter()
+        jax.block_until_ready(out)
+        with self._lock:
+            self.waited += time.perf_counter() - started
 
     def add(self, out: Any) -> None:
         """``out``: the output of the program just dispatched (any pytree of arrays)."""

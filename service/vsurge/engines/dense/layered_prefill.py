@@ -40,6 +40,9 @@ from .programs import Prefix
 
 __all__ = ["LayeredPrefill"]
 
+# On XLA:CPU a prefill's layers run in this many turns under the dispatch lock (LayeredPrefill._windowed)
+CPU_TURNS = 3
+
 
 def _prefill_embed_impl(graphdef, state, tokens, positions, segments, totals, slots, *, rep):
     """The prompts' rows as hidden states; the rows' host arrays come back as device arrays (the layers
@@ -125,18 +128,25 @@ class LayeredPrefill:
     def _windowed(
         self, inner, layers, tokens, positions, segments, totals, starts, lengths, words, sampling
     ) -> Prefix:
-        """The chain without the dispatch lock, each program added to the window: on XLA:CPU queued
-        programs run side by side, so there is no order to keep, and the lock would hold the decode
-        step's dispatch while the window waits."""
+        """The chain on XLA:CPU: each program added to the window, and the layers run in turns of
+        ``CPU_TURNS`` under the dispatch lock. The CPU runs a decode step and a prefill layer side by side,
+        each at about half speed, so a burst of prompts waited for its first tokens as long again; a
+        decode step waits for at most one turn (a third of one prompt's layers, never a whole prompt)
+        and the prompts get the cores between two steps (serve's defaults under random-24, one sitting:
+        TTFT p50 6.0 s -> 3.5 s, p99 22.7 s -> 13.3 s, output tok/s 81.8 -> 83.6, ITL p99 0.21 -> 1.5 s)."""
         x, positions, segments, totals, lora = self._embed(
             inner["embed_tokens"], tokens, positions, segments, totals, self._slots(sampling)
         )
         self.window.add(x)
         kv = []
-        for layer in layers:
-            x, k, v = self._layer(layer, x, positions, segments, totals, lora)
-            kv.append((k, v))
-            self.window.add(x)
+        turn = -(-len(layers) // CPU_TURNS)
+        for start in range(0, len(layers), turn):
+            with self.lock:  # the decode step's turn comes between two of these
+                for layer in layers[start : start + turn]:
+                    x, k, v = self._layer(layer, x, positions, segments, totals, lora)
+                    kv.append((k, v))
+                    self.window.add(x)
+                self.window.wait(x)
         last, starts, lengths, mask, sampling = self._finish(
             inner["norm"], x, starts, lengths, words, sampling
         )
