@@ -323,7 +323,7 @@ def test_the_target_backend_is_the_lowering_context():
             resolve_dtype(None),
         )
 
-    cpu = ("cpu", "heads", "cpu", 1, [1, 2, 4, 8, 16, 32, 64], [32, 64, 128, 256, 512], 64, jnp.float32)
+    cpu = ("cpu", "heads", "cpu", 1, [1, 2, 4, 8, 16, 32, 64], [32, 64, 128, 192, 256, 384, 512], 64, jnp.float32)
     tpu = ("tpu", "flat", "tpu", 4, [8, 32, 64], [128, 256, 512], 1, jnp.bfloat16)
     assert choices() == cpu
     with tl.targeting("v6e", "tp=4"):
