@@ -35,7 +35,7 @@ class DispatchWindow:
     def __init__(self, size: int | None):
         self.size = size
         self._queued: deque[Any] = deque()
-        self._lock = threading.Lock()  # two threads may run chains of one engine (prefill, pooling)
+        self._lock = threading.Lock()  # the driver's prefill thread and a caller's own prefill (seed API)
         self.waited = 0.0  # seconds spent waiting for the device, all calls (not host time: step_timing.py)
 
     @classmethod
